@@ -1,0 +1,90 @@
+"""Tensor wire format (specdec.tensor_proto) and the draft-probs data plane (specdec.dataplane)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minedraft.v1 import common_pb2
+from specdec.tensor_proto import (
+    SUPPORTED_DTYPES,
+    TensorDecodeError,
+    is_empty_proto,
+    proto_to_tensor,
+    tensor_to_proto,
+)
+
+torch.set_num_threads(1)
+
+
+def _random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=gen) * 100).to(dtype)
+    return torch.randint(-(2**30), 2**30, shape, generator=gen, dtype=torch.int64).to(dtype)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple),
+    dtype_name=st.sampled_from(sorted(SUPPORTED_DTYPES)),
+    seed=st.integers(0, 2**16),
+)
+def test_round_trip_is_bit_exact(shape, dtype_name, seed):
+    tensor = _random_tensor(shape, SUPPORTED_DTYPES[dtype_name], seed)
+    message = common_pb2.Tensor.FromString(tensor_to_proto(tensor).SerializeToString())
+    decoded = proto_to_tensor(message)
+    assert decoded.dtype == tensor.dtype
+    assert tuple(decoded.shape) == tuple(tensor.shape)
+    assert torch.equal(decoded.view(-1).view(torch.uint8) if decoded.numel() else decoded,
+                       tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor)
+
+
+def test_bfloat16_special_values_survive():
+    tensor = torch.tensor([float("inf"), float("-inf"), 0.0, -0.0, 1e-40, 3.0e38], dtype=torch.bfloat16)
+    decoded = proto_to_tensor(tensor_to_proto(tensor))
+    assert torch.equal(decoded.view(torch.int16), tensor.view(torch.int16))
+
+
+def test_wire_bytes_are_little_endian_row_major():
+    tensor = torch.tensor([[1, 2], [3, 256]], dtype=torch.int32)
+    message = tensor_to_proto(tensor)
+    assert message.dtype == "int32" and list(message.shape) == [2, 2]
+    assert message.data == bytes([1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 0, 1, 0, 0])
+
+
+def test_non_contiguous_input_is_encoded_in_logical_order():
+    tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3).t()
+    assert torch.equal(proto_to_tensor(tensor_to_proto(tensor)), tensor)
+
+
+def test_decoded_tensor_is_writable_copy():
+    message = tensor_to_proto(torch.zeros(3))
+    decoded = proto_to_tensor(message)
+    decoded += 1  # must not raise (frombuffer memory is read-only)
+    assert torch.equal(proto_to_tensor(message), torch.zeros(3))
+
+
+@pytest.mark.parametrize(
+    "message, match",
+    [
+        (common_pb2.Tensor(shape=[2], dtype="float64", data=b"\0" * 16), "unknown tensor dtype"),
+        (common_pb2.Tensor(shape=[3], dtype="float32", data=b"\0" * 8), "needs 12"),
+        (common_pb2.Tensor(shape=[-1], dtype="int32", data=b""), "negative"),
+    ],
+)
+def test_invalid_messages_raise(message, match):
+    with pytest.raises(TensorDecodeError, match=match):
+        proto_to_tensor(message)
+
+
+def test_unsupported_dtype_is_refused_on_encode():
+    with pytest.raises(ValueError, match="not supported"):
+        tensor_to_proto(torch.zeros(2, dtype=torch.float64))
+
+
+def test_empty_proto_detection():
+    assert is_empty_proto(common_pb2.Tensor())
+    assert not is_empty_proto(tensor_to_proto(torch.zeros(0, 4)))
