@@ -1,0 +1,188 @@
+"""Sampling parameters and logits processors shared by the draft and the target model.
+
+Speculative decoding is lossless only if the draft distribution q and the target distribution p
+are built by the *same* processors (Leviathan et al. 2023, arXiv 2211.17192, §2.3; vLLM applies
+its sampling params to both). :func:`logits_to_probs` is that one place: temperature, then
+top-k, top-p (nucleus, Holtzman et al. 2019), min-p (Nguyen et al. 2024), then softmax.
+Temperature 0 means greedy: a one-hot distribution on the argmax of the raw logits.
+
+Randomness is per request: :func:`make_generator` gives each request its own
+``torch.Generator`` so a seeded request draws the same numbers alone or inside any batch.
+:func:`sample_from_probs` draws with the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``),
+which consumes exactly ``vocab`` draws per call whatever the distribution is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+TOP_K_OFF = -1
+"""``top_k`` value meaning "no top-k filter" (0 is accepted as an alias)."""
+GREEDY_TEMPERATURE = 0.0
+"""``temperature`` value meaning greedy (argmax) decoding."""
+_MIN_EXPONENTIAL = 1e-300
+_NOISE_DTYPE = torch.float64  # fixed so generator consumption never depends on the model dtype
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling parameters (names as in vLLM's ``SamplingParams``).
+
+    Attributes:
+        temperature: >= 0 and finite; 0 = greedy.
+        top_k: keep the k most likely tokens; -1 or 0 = off, else >= 1.
+        top_p: keep the smallest set of most likely tokens with total probability >= top_p;
+            in (0, 1]; 1 = off.
+        min_p: drop tokens with probability < min_p * max probability; in [0, 1]; 0 = off.
+        seed: per-request random seed (>= 0) or None for a random one.
+        max_tokens: maximum number of output tokens (>= 1).
+        stop_token_ids: token ids that end the request (the stop token is emitted).
+        ignore_eos: if True, the model's EOS does not end the request.
+
+    Raises:
+        ValueError: naming the first invalid field.
+    """
+
+    temperature: float = 1.0
+    top_k: int = TOP_K_OFF
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < TOP_K_OFF:
+            raise ValueError(f"top_k must be -1/0 (off) or >= 1, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed must be None or an int >= 0, got {self.seed}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens}")
+        stop_ids = tuple(self.stop_token_ids)
+        if any(not isinstance(t, int) or t < 0 for t in stop_ids):
+            raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids}")
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when temperature is 0 (argmax decoding, no randomness consumed)."""
+        return self.temperature == GREEDY_TEMPERATURE
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded with ``seed`` (a nondeterministic seed if None)."""
+    generator = torch.Generator(device="cpu")
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """[b] python values -> [b, 1, 1] tensor on ``like``'s device and dtype."""
+    return torch.tensor(values, dtype=like.dtype, device=like.device).view(-1, 1, 1)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and then top-p set. logits [b, q, V]."""
+    vocab_size = logits.shape[-1]
+    top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+    top_ps = [p.top_p for p in params]
+    if all(k >= vocab_size for k in top_ks) and all(p >= 1.0 for p in top_ps):
+        return logits
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab_size, device=logits.device).view(1, 1, -1)
+    k_col = torch.tensor(top_ks, device=logits.device).view(-1, 1, 1)
+    sorted_logits = sorted_logits.masked_fill(ranks >= k_col, -math.inf)
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # Probability mass strictly before each token; the first token always stays (top_p > 0).
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= _column(top_ps, logits), -math.inf)
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def _apply_min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Zero tokens with prob < min_p * max prob and renormalise. probs [b, q, V]."""
+    min_ps = [p.min_p for p in params]
+    if all(m == 0.0 for m in min_ps):
+        return probs
+    threshold = _column(min_ps, probs) * probs.amax(dim=-1, keepdim=True)
+    probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Turn raw logits into the sampling distribution of each row.
+
+    Args:
+        logits: [b, q, V] raw model logits (any float dtype; half types are upcast to float32).
+        params: b sampling params, one per row (all q positions of a row share them).
+
+    Returns:
+        probs [b, q, V]: each row's distribution after temperature, top-k, top-p, min-p and
+        softmax; rows with temperature 0 are one-hot on the argmax of the raw logits.
+
+    Raises:
+        ValueError: if logits is not 3-D or ``len(params) != b``.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [b, q, V], got shape {tuple(logits.shape)}")
+    if len(params) != logits.shape[0]:
+        raise ValueError(f"params has {len(params)} entries for {logits.shape[0]} rows")
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    is_greedy = [p.is_greedy for p in params]
+    temperatures = [1.0 if g else p.temperature for g, p in zip(is_greedy, params)]
+    scaled = _apply_top_k_top_p(logits / _column(temperatures, logits), params)
+    probs = _apply_min_p(scaled.softmax(dim=-1), params)
+    if any(is_greedy):
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        greedy_rows = torch.tensor(is_greedy, device=logits.device).view(-1, 1, 1)
+        probs = torch.where(greedy_rows, one_hot, probs)
+    return probs
+
+
+def exponential_noise(vocab_size: int, generator: torch.Generator) -> torch.Tensor:
+    """[V] float64 draws of Exp(1) from ``generator`` (clamped away from 0)."""
+    noise = torch.empty(vocab_size, dtype=_NOISE_DTYPE).exponential_(generator=generator)
+    return noise.clamp_(min=_MIN_EXPONENTIAL)
+
+
+def uniform_noise(num_draws: int, generator: torch.Generator) -> torch.Tensor:
+    """[num_draws] float64 draws of U[0, 1) from ``generator``."""
+    return torch.rand(num_draws, dtype=_NOISE_DTYPE, generator=generator)
+
+
+def sample_from_probs(probs: torch.Tensor, is_greedy: list[bool],
+                      generators: list[torch.Generator]) -> torch.Tensor:
+    """Draw one token per row: argmax for greedy rows, else the exponential race.
+
+    ``argmax_i(p_i / E_i)`` with ``E_i ~ Exp(1)`` i.i.d. picks i with probability p_i
+    (the Gumbel-max trick in exponential form; vLLM's sampler uses the same). Each sampled
+    row consumes exactly V draws of its own generator; greedy rows consume none.
+
+    Args:
+        probs: [b, V] distributions (rows need not be normalised).
+        is_greedy: [b] flags.
+        generators: b per-request generators.
+
+    Returns:
+        token ids [b] int64.
+    """
+    tokens = probs.argmax(dim=-1)
+    for row, greedy in enumerate(is_greedy):
+        if not greedy:
+            noise = exponential_noise(probs.shape[-1], generators[row]).to(probs.device)
+            tokens[row] = (probs[row].to(_NOISE_DTYPE) / noise).argmax()
+    return tokens
