@@ -88,3 +88,81 @@ def test_unsupported_dtype_is_refused_on_encode():
 def test_empty_proto_detection():
     assert is_empty_proto(common_pb2.Tensor())
     assert not is_empty_proto(tensor_to_proto(torch.zeros(0, 4)))
+
+
+# --- dist data plane (specdec.dataplane): both ranks in this process, one per thread ---
+
+import socket  # noqa: E402
+
+from specdec.dataplane import (  # noqa: E402
+    DistPlaneConfig,
+    DraftProbsClient,
+    DraftProbsMissingError,
+    DraftProbsServer,
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def dist_plane():
+    cfg = DistPlaneConfig(port=_free_port(), connect_timeout_s=30, max_buffered_steps=2)
+    server = DraftProbsServer(cfg)
+    server.start()
+    client = DraftProbsClient(cfg)
+    client.connect()
+    assert server.is_connected.wait(30)
+    yield server, client
+    client.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dist_fetch_is_exact_and_keeps_dtype(dist_plane, dtype):
+    server, client = dist_plane
+    probs = torch.softmax(torch.randn(3, 4, 50), dim=-1).to(dtype)
+    server.publish(7, ["a", "b", "c"], probs)
+    fetched = client.fetch(7, ["a", "b", "c"])
+    assert fetched.dtype == dtype and torch.equal(fetched, probs)
+
+
+def test_dist_fetch_selects_rows_of_surviving_requests(dist_plane):
+    server, client = dist_plane
+    probs = torch.rand(3, 2, 10)
+    server.publish(1, ["a", "b", "c"], probs)
+    fetched = client.fetch(1, ["c", "a"])  # "b" aborted between draft and verify
+    assert torch.equal(fetched, probs[[2, 0]])
+
+
+def test_dist_unfetched_steps_age_out_without_blocking(dist_plane):
+    server, client = dist_plane
+    for step in range(5):  # never fetched: nothing was sent, nothing can block
+        server.publish(step, ["a"], torch.rand(1, 2, 10))
+    assert server.num_evicted == 3
+    with pytest.raises(DraftProbsMissingError, match="step 0"):
+        client.fetch(0, ["a"])
+    assert client.fetch(4, ["a"]).shape == (1, 2, 10)
+    with pytest.raises(DraftProbsMissingError, match="step 4"):
+        client.fetch(4, ["a"])  # a step is sent once
+
+
+def test_dist_fetch_of_unknown_request_id_fails_clearly(dist_plane):
+    server, client = dist_plane
+    server.publish(3, ["a"], torch.rand(1, 2, 10))
+    with pytest.raises(DraftProbsMissingError, match="zzz"):
+        client.fetch(3, ["zzz"])
+
+
+def test_dist_publish_validates_shapes():
+    server = DraftProbsServer(DistPlaneConfig(port=_free_port()))
+    with pytest.raises(ValueError, match="b=2"):
+        server.publish(0, ["a", "b"], torch.rand(1, 2, 3))
+
+
+@pytest.mark.parametrize("field, value", [("port", 0), ("max_buffered_steps", 0), ("addr", "")])
+def test_dist_plane_config_validation(field, value):
+    with pytest.raises(ValueError, match=field):
+        DistPlaneConfig(**{field: value})
