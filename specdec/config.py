@@ -1,0 +1,80 @@
+"""Engine configuration: model source and KV-cache capacity (frozen, validated dataclasses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to load and how.
+
+    Attributes:
+        model: alias (``"smollm2-135m-instruct"``), local HF dir, or path of a ``.gguf`` file.
+        gguf_file: GGUF file name inside ``model`` (a dir); converted once to an HF dir.
+        dtype: parameter and KV-cache dtype, one of ``SUPPORTED_DTYPES``.
+        device: torch device string, e.g. ``"cpu"`` or ``"cuda:0"``.
+        num_threads: if set, ``torch.set_num_threads(num_threads)`` when the runner starts.
+
+    Raises:
+        ValueError: naming the invalid field.
+    """
+
+    model: str = DEFAULT_MODEL
+    gguf_file: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+        if self.gguf_file is not None and not str(self.gguf_file).endswith(".gguf"):
+            raise ValueError(f"gguf_file must name a .gguf file, got {self.gguf_file!r}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(SUPPORTED_DTYPES)}, got {self.dtype!r}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device is not a valid torch device: {self.device!r}") from exc
+        if self.num_threads is not None and (
+            not isinstance(self.num_threads, int) or self.num_threads < 1
+        ):
+            raise ValueError(f"num_threads must be a positive int or None, got {self.num_threads!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The ``torch.dtype`` named by ``dtype``."""
+        return SUPPORTED_DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV-cache capacity, fixed at start-up.
+
+    Attributes:
+        max_num_seqs: number of slots (concurrent sequences) in the slot KV cache.
+        max_model_len: maximum tokens per slot (prompt + output + draft tokens).
+
+    Raises:
+        ValueError: naming the invalid field.
+    """
+
+    max_num_seqs: int = 16
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be a positive int, got {self.max_num_seqs!r}")
+        if not isinstance(self.max_model_len, int) or self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be an int >= 2, got {self.max_model_len!r}")

@@ -1,0 +1,207 @@
+"""Preallocated slot KV cache and the attention function that reads and writes it.
+
+Every sequence owns one *slot*: a fixed row of per-layer key/value tensors of shape
+``[max_num_seqs, num_kv_heads, max_model_len, head_dim]`` allocated once at start-up.
+``seq_lens[slot]`` counts the valid tokens in that row, so a KV rollback after rejected draft
+tokens is only a length change (MineDraft DESIGN.md, "KV cache"; same idea as vLLM's block
+tables with one block per sequence).
+
+The attention function ``slot_attention_forward`` is registered with transformers'
+``AttentionInterface`` under ``SLOT_ATTENTION_NAME``. The model's ``forward`` receives a
+``SlotAttentionMetadata`` as the keyword argument ``slot_metadata``; transformers passes it on
+to every attention layer, where the new keys/values are written at their positions and the
+queries attend over each row's cache prefix with a causal boolean mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+SLOT_ATTENTION_NAME = "minedraft_slot"
+SLOT_METADATA_KWARG = "slot_metadata"
+
+
+@dataclass(frozen=True)
+class SlotAttentionMetadata:
+    """Per-forward description of where a ragged batch lives in the slot cache.
+
+    Built once per forward by ``SlotKVCache.prepare`` and shared by all layers.
+
+    Attributes:
+        cache: the cache to read and write.
+        slot_ids: ``[b]`` int64, slot of each batch row.
+        positions: ``[b, q]`` int64, absolute position of each token (padding continues the
+            row's positions; it is never written and never attended by real tokens).
+        write_rows, write_cols: ``[n]`` int64, slot and position of each real (non-padding)
+            token, in row-major order of the batch.
+        is_real: ``[b, q]`` bool, True for real tokens.
+        attn_mask: ``[b, 1, q, kv_len]`` bool, True where a query may attend a cached key.
+        kv_len: number of cache positions read (max over rows of the new sequence length).
+    """
+
+    cache: "SlotKVCache"
+    slot_ids: torch.Tensor
+    positions: torch.Tensor
+    write_rows: torch.Tensor
+    write_cols: torch.Tensor
+    is_real: torch.Tensor
+    attn_mask: torch.Tensor
+    kv_len: int
+
+
+class SlotKVCache:
+    """Per-layer key/value tensors indexed by slot, preallocated at start-up.
+
+    Shapes: ``k[layer]`` and ``v[layer]`` are ``[max_num_seqs, num_kv_heads, max_model_len,
+    head_dim]``; ``seq_lens`` is ``[max_num_seqs]`` int64 on the CPU (host-side bookkeeping).
+    Memory: ``2 * num_layers * max_num_seqs * num_kv_heads * max_model_len * head_dim``
+    elements of ``dtype`` (see ``num_bytes``).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("max_num_seqs", max_num_seqs),
+            ("max_model_len", max_model_len),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.num_layers = num_layers
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (max_num_seqs, num_kv_heads, max_model_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int64)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes held by the key and value tensors of all layers."""
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    def prepare(self, slot_ids: list[int], num_new_tokens: list[int], q_len: int) -> SlotAttentionMetadata:
+        """Build the metadata for appending ``num_new_tokens[i]`` tokens to ``slot_ids[i]``.
+
+        Args:
+            slot_ids: ``b`` slot ids (distinct; validated by the caller).
+            num_new_tokens: ``b`` counts of real tokens per row, each in ``[1, q_len]``.
+            q_len: padded number of tokens per row (the forward's ``q``).
+
+        Returns:
+            metadata whose ``positions`` ``[b, q_len]`` are also the model's ``position_ids``.
+        """
+        starts = self.seq_lens[slot_ids]                                     # [b]
+        counts = torch.tensor(num_new_tokens, dtype=torch.int64)             # [b]
+        offsets = torch.arange(q_len, dtype=torch.int64)                     # [q]
+        positions = starts[:, None] + offsets[None, :]                       # [b, q]
+        is_real = offsets[None, :] < counts[:, None]                         # [b, q]
+        slots = torch.tensor(slot_ids, dtype=torch.int64)
+        new_lens = starts + counts                                           # [b]
+        kv_len = int(new_lens.max())
+        key_pos = torch.arange(kv_len, dtype=torch.int64)                    # [kv]
+        attn_mask = (key_pos[None, None, :] <= positions[:, :, None]) & (
+            key_pos[None, None, :] < new_lens[:, None, None]
+        )                                                                    # [b, q, kv]
+        write_rows = slots[:, None].expand(-1, q_len)[is_real]
+        write_cols = positions[is_real]
+        to_device = self.device
+        return SlotAttentionMetadata(
+            cache=self,
+            slot_ids=slots.to(to_device),
+            positions=positions.to(to_device),
+            write_rows=write_rows.to(to_device),
+            write_cols=write_cols.to(to_device),
+            is_real=is_real.to(to_device),
+            attn_mask=attn_mask[:, None].to(to_device),
+            kv_len=kv_len,
+        )
+
+    def write(self, layer_idx: int, meta: SlotAttentionMetadata, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store the real tokens' ``key``/``value`` ``[b, num_kv_heads, q, head_dim]``."""
+        k_new = key.transpose(1, 2)[meta.is_real]                           # [n, kvh, d]
+        v_new = value.transpose(1, 2)[meta.is_real]
+        self.k[layer_idx][meta.write_rows, :, meta.write_cols] = k_new.to(self.dtype)
+        self.v[layer_idx][meta.write_rows, :, meta.write_cols] = v_new.to(self.dtype)
+
+    def read(self, layer_idx: int, meta: SlotAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached keys and values of the batch rows, each ``[b, num_kv_heads, kv_len, head_dim]``."""
+        k_all = self.k[layer_idx].index_select(0, meta.slot_ids)[:, :, : meta.kv_len]
+        v_all = self.v[layer_idx].index_select(0, meta.slot_ids)[:, :, : meta.kv_len]
+        return k_all, v_all
+
+    def commit(self, slot_ids: list[int], num_new_tokens: list[int]) -> None:
+        """Advance ``seq_lens`` after a successful forward (padding never counts)."""
+        for slot, count in zip(slot_ids, num_new_tokens):
+            self.seq_lens[slot] += count
+
+    def truncate(self, slot: int, length: int) -> None:
+        """KV rollback: keep the first ``length`` tokens of ``slot`` (O(1), no copy)."""
+        if not 0 <= length <= int(self.seq_lens[slot]):
+            raise ValueError(
+                f"length must be in [0, {int(self.seq_lens[slot])}] for slot {slot}, got {length}"
+            )
+        self.seq_lens[slot] = length
+
+
+def slot_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention over the slot cache (transformers ``AttentionInterface`` signature).
+
+    Args:
+        module: the attention layer; ``module.layer_idx`` selects the cache layer.
+        query: ``[b, num_heads, q, head_dim]`` (RoPE applied).
+        key, value: ``[b, num_kv_heads, q, head_dim]`` of the new tokens (RoPE applied).
+        attention_mask: ignored when ``slot_metadata`` is given (the mask comes from it).
+        scaling: softmax scale, default ``head_dim ** -0.5``.
+        kwargs: ``slot_metadata`` (``SlotAttentionMetadata``). Without it the call falls back to
+            transformers' SDPA attention, so a model switched to this implementation still
+            works for plain cache-free forwards.
+
+    Returns:
+        ``(attn_output [b, q, num_heads, head_dim], None)``.
+    """
+    meta: SlotAttentionMetadata | None = kwargs.pop(SLOT_METADATA_KWARG, None)
+    if meta is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    meta.cache.write(module.layer_idx, meta, key, value)
+    k_all, v_all = meta.cache.read(module.layer_idx, meta)
+    num_groups = query.shape[1] // k_all.shape[1]
+    k_all = repeat_kv(k_all, num_groups).to(query.dtype)
+    v_all = repeat_kv(v_all, num_groups).to(query.dtype)
+    out = F.scaled_dot_product_attention(
+        query, k_all, v_all, attn_mask=meta.attn_mask, dropout_p=0.0, scale=scaling
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(SLOT_ATTENTION_NAME, slot_attention_forward)

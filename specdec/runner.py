@@ -1,0 +1,193 @@
+"""ModelRunner: a causal LM plus its slot KV cache, driven with ragged batches of new tokens.
+
+The runner is the one place that runs a model forward. Workers (``specdec.worker``) use it for
+the target model (prefill, verify steps of k+1 tokens) and for the draft model (catch-up,
+single-token draft steps); a decode step is a verify step with k = 0 (docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.config import CacheConfig, ModelConfig
+from specdec.errors import CapacityError
+from specdec.kv_cache import SLOT_METADATA_KWARG, SlotKVCache
+from specdec.loader import load_model, use_slot_attention
+
+PAD_TOKEN_ID = 0  # fills ragged rows; padded tokens are never written to the cache
+
+
+class ModelRunner:
+    """A model in eval mode with a preallocated ``SlotKVCache`` of ``cache_cfg`` capacity.
+
+    Args:
+        model_cfg: model source, dtype, device, threads.
+        cache_cfg: ``max_num_seqs`` slots of ``max_model_len`` tokens each.
+        model: an already built ``PreTrainedModel`` (tests, draft formats); it is moved to the
+            configured dtype/device and switched to the slot-cache attention. ``None`` loads
+            ``model_cfg.model`` with ``specdec.loader.load_model``.
+
+    Attributes:
+        vocab_size: size of the logits' last dim ``V``.
+        eos_token_ids: EOS ids from the generation config (or model config), as a tuple.
+        weight_bytes / kv_cache_bytes: memory held by parameters / by the KV cache.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig, model=None) -> None:
+        if model_cfg.num_threads is not None:
+            torch.set_num_threads(model_cfg.num_threads)
+        self.model_cfg = model_cfg
+        self.cache_cfg = cache_cfg
+        if model is None:
+            model = load_model(model_cfg)
+        else:
+            model = model.to(device=model_cfg.device, dtype=model_cfg.torch_dtype).eval()
+            use_slot_attention(model)
+        self.model = model
+        text_cfg = model.config.get_text_config()
+        self.vocab_size: int = int(model.get_output_embeddings().out_features)
+        self.eos_token_ids: tuple[int, ...] = _eos_token_ids(model)
+        self.cache = SlotKVCache(
+            num_layers=text_cfg.num_hidden_layers,
+            max_num_seqs=cache_cfg.max_num_seqs,
+            max_model_len=cache_cfg.max_model_len,
+            num_kv_heads=getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads,
+            head_dim=getattr(text_cfg, "head_dim", None)
+            or text_cfg.hidden_size // text_cfg.num_attention_heads,
+            dtype=model_cfg.torch_dtype,
+            device=model_cfg.device,
+        )
+        self._free_slots: list[int] = list(range(cache_cfg.max_num_seqs))
+        self._allocated: set[int] = set()
+
+    # ---- capacity -------------------------------------------------------------------------
+    @property
+    def num_free_slots(self) -> int:
+        """Slots that ``allocate_slot`` can still hand out."""
+        return len(self._free_slots)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model parameters (tied weights counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the preallocated KV cache."""
+        return self.cache.num_bytes
+
+    def allocate_slot(self) -> int:
+        """Take the lowest free slot, with an empty KV (length 0).
+
+        Raises:
+            CapacityError: all ``max_num_seqs`` slots are in use.
+        """
+        if not self._free_slots:
+            raise CapacityError(
+                f"no free KV-cache slot: all max_num_seqs={self.cache_cfg.max_num_seqs} are in use"
+            )
+        slot = self._free_slots.pop(0)
+        self._allocated.add(slot)
+        self.cache.truncate(slot, 0)
+        return slot
+
+    def free_slot(self, slot: int) -> None:
+        """Return ``slot`` to the free list. Raises ValueError if it is not allocated."""
+        self._check_slot(slot)
+        self.cache.truncate(slot, 0)
+        self._allocated.remove(slot)
+        self._free_slots.append(slot)
+        self._free_slots.sort()
+
+    def seq_len(self, slot: int) -> int:
+        """Number of tokens held in the KV cache of ``slot``."""
+        self._check_slot(slot)
+        return int(self.cache.seq_lens[slot])
+
+    def truncate(self, slot: int, length: int) -> None:
+        """KV rollback: keep the first ``length`` tokens (0 <= length <= seq_len(slot))."""
+        self._check_slot(slot)
+        self.cache.truncate(slot, length)
+
+    # ---- forward --------------------------------------------------------------------------
+    def forward(self, slots: list[int], token_ids: list[list[int]]) -> torch.Tensor:
+        """Append ``token_ids[i]`` to slot ``slots[i]`` and return the logits of every new token.
+
+        Ragged rows are right-padded to ``q_max = max(len(t) for t in token_ids)``; the padding
+        is neither written to the KV cache nor counted in ``seq_len``.
+
+        Args:
+            slots: ``b`` distinct allocated slots.
+            token_ids: ``b`` non-empty lists of token ids in ``[0, vocab_size)``.
+
+        Returns:
+            logits ``[b, q_max, vocab_size]`` float32; row i's entries past ``len(token_ids[i])``
+            are junk.
+
+        Raises:
+            ValueError: bad slot, empty batch/row, duplicate slot, token id out of range.
+            CapacityError: a row would exceed ``max_model_len`` tokens.
+        """
+        self._check_batch(slots, token_ids)
+        num_new = [len(row) for row in token_ids]
+        q_max = max(num_new)
+        padded = [row + [PAD_TOKEN_ID] * (q_max - len(row)) for row in token_ids]
+        input_ids = torch.tensor(padded, dtype=torch.int64, device=self.model_cfg.device)
+        meta = self.cache.prepare(slots, num_new, q_max)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=meta.positions,
+                use_cache=False,
+                **{SLOT_METADATA_KWARG: meta},
+            )
+        self.cache.commit(slots, num_new)
+        return out.logits.float()
+
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Feed whole prompts in one forward; return each prompt's last-token logits ``[b, V]``.
+
+        Same checks and errors as ``forward``.
+        """
+        logits = self.forward(slots, prompts)
+        last = torch.tensor([len(p) - 1 for p in prompts], device=logits.device)
+        return logits[torch.arange(len(prompts), device=logits.device), last]
+
+    # ---- checks ---------------------------------------------------------------------------
+    def _check_slot(self, slot: int) -> None:
+        if not isinstance(slot, int) or not 0 <= slot < self.cache_cfg.max_num_seqs:
+            raise ValueError(f"slot must be an int in [0, {self.cache_cfg.max_num_seqs}), got {slot!r}")
+        if slot not in self._allocated:
+            raise ValueError(f"slot {slot} is not allocated")
+
+    def _check_batch(self, slots: list[int], token_ids: list[list[int]]) -> None:
+        if not slots or len(slots) != len(token_ids):
+            raise ValueError(
+                f"slots and token_ids must be non-empty and of equal length, got {len(slots)} "
+                f"and {len(token_ids)}"
+            )
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots must be distinct, got {slots}")
+        for slot, row in zip(slots, token_ids):
+            self._check_slot(slot)
+            if not row:
+                raise ValueError(f"token_ids for slot {slot} is empty")
+            if min(row) < 0 or max(row) >= self.vocab_size:
+                raise ValueError(f"token ids for slot {slot} must be in [0, {self.vocab_size})")
+            new_len = int(self.cache.seq_lens[slot]) + len(row)
+            if new_len > self.cache_cfg.max_model_len:
+                raise CapacityError(
+                    f"slot {slot} would hold {new_len} tokens > max_model_len="
+                    f"{self.cache_cfg.max_model_len}"
+                )
+
+
+def _eos_token_ids(model) -> tuple[int, ...]:
+    """EOS ids from ``model.generation_config``, falling back to ``model.config``."""
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config.get_text_config(), "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
