@@ -35,12 +35,14 @@ class BatchManagerMachine(RuleBasedStateMachine):
         ids = [f"r{self.next_id + i}" for i in range(num_new)]
         self.next_id += num_new
         was_started, skip = self.manager.is_started, self.manager.skip_batch
+        old_imbalance = abs(self.manager.balance)
         placed = self.manager.assign(ids)
         self.running.update(ids)
         if was_started:
             assert placed == [skip] * num_new, "after the first step new requests join skip_batch"
         else:
-            assert abs(self.manager.balance) <= 1, "before the first step assign() balances"
+            # each new request goes to the smaller batch (recycles may have unbalanced them)
+            assert abs(self.manager.balance) <= max(old_imbalance - num_new, 1)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
