@@ -1,0 +1,176 @@
+"""Slot KV cache + ModelRunner: cached decoding must reproduce a cache-free full forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.config import CacheConfig, ModelConfig
+from specdec.errors import CapacityError
+from specdec.kv_cache import SLOT_ATTENTION_NAME
+from specdec.runner import ModelRunner
+
+TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+MAX_MODEL_LEN = 64
+MAX_NUM_SEQS = 4
+
+
+def make_runner(tiny_llama, dtype="float32", max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN):
+    model = tiny_llama(dtype=DTYPES[dtype])
+    return ModelRunner(
+        ModelConfig(model="tiny", dtype=dtype),
+        CacheConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len),
+        model=model,
+    )
+
+
+def random_tokens(num_tokens: int, seed: int, vocab_size: int = 128) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (num_tokens,), generator=gen).tolist()
+
+
+def full_logits(reference, token_ids: list[int]) -> torch.Tensor:
+    """Cache-free logits [len, V] of the whole sequence."""
+    with torch.no_grad():
+        return reference(torch.tensor([token_ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_prefill_then_single_token_decode_matches_full_forward(tiny_llama, dtype):
+    runner = make_runner(tiny_llama, dtype)
+    reference = tiny_llama(dtype=DTYPES[dtype])
+    seqs = [random_tokens(20, seed=1), random_tokens(20, seed=2)]
+    prompt_lens = [7, 3]
+    slots = [runner.allocate_slot(), runner.allocate_slot()]
+    last = runner.prefill(slots, [s[:n] for s, n in zip(seqs, prompt_lens)])
+    refs = [full_logits(reference, s) for s in seqs]
+    for i, n in enumerate(prompt_lens):
+        assert (last[i] - refs[i][n - 1]).abs().max() < TOLERANCE[dtype]
+    for step in range(10):
+        positions = [n + step for n in prompt_lens]
+        logits = runner.forward(slots, [[s[p]] for s, p in zip(seqs, positions)])
+        assert logits.shape == (2, 1, runner.vocab_size) and logits.dtype == torch.float32
+        for i, p in enumerate(positions):
+            assert (logits[i, 0] - refs[i][p]).abs().max() < TOLERANCE[dtype]
+    assert [runner.seq_len(s) for s in slots] == [n + 10 for n in prompt_lens]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_ragged_multi_token_steps_match_full_forward(tiny_llama, dtype):
+    runner = make_runner(tiny_llama, dtype, max_num_seqs=3)
+    reference = tiny_llama(dtype=DTYPES[dtype])
+    seqs = [random_tokens(40, seed=10 + i) for i in range(3)]
+    slots = [runner.allocate_slot() for _ in range(3)]
+    cursor = [9, 2, 5]
+    runner.prefill(slots, [s[:c] for s, c in zip(seqs, cursor)])
+    refs = [full_logits(reference, s) for s in seqs]
+    for q_lens in ([4, 4, 4], [1, 4, 3], [4, 2, 1]):  # k + 1 = 4 with ragged rows
+        rows = [s[c : c + q] for s, c, q in zip(seqs, cursor, q_lens)]
+        logits = runner.forward(slots, rows)
+        assert logits.shape == (3, max(q_lens), runner.vocab_size)
+        for i, (c, q) in enumerate(zip(cursor, q_lens)):
+            assert (logits[i, :q] - refs[i][c : c + q]).abs().max() < TOLERANCE[dtype]
+        cursor = [c + q for c, q in zip(cursor, q_lens)]
+    assert [runner.seq_len(s) for s in slots] == cursor
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_rollback_then_reforward_equals_never_drafted(tiny_llama, dtype):
+    runner = make_runner(tiny_llama, dtype)
+    reference = tiny_llama(dtype=DTYPES[dtype])
+    prompt, drafts, fixes = random_tokens(6, seed=3), random_tokens(4, seed=4), random_tokens(3, seed=5)
+    slot = runner.allocate_slot()
+    runner.prefill([slot], [prompt])
+    runner.forward([slot], [drafts])  # verify step: keep only drafts[0], reject the rest
+    runner.truncate(slot, len(prompt) + 1)
+    assert runner.seq_len(slot) == len(prompt) + 1
+    logits = runner.forward([slot], [fixes])
+    expected = full_logits(reference, prompt + drafts[:1] + fixes)[-len(fixes) :]
+    assert (logits[0] - expected).abs().max() < TOLERANCE[dtype]
+
+
+def test_free_and_reallocate_gives_clean_slot(tiny_llama):
+    runner = make_runner(tiny_llama, max_num_seqs=1)
+    reference = tiny_llama()
+    slot = runner.allocate_slot()
+    runner.prefill([slot], [random_tokens(30, seed=6)])
+    runner.free_slot(slot)
+    assert runner.num_free_slots == 1
+    again = runner.allocate_slot()
+    assert again == slot and runner.seq_len(again) == 0
+    prompt = random_tokens(5, seed=7)
+    logits = runner.forward([again], [prompt])
+    assert (logits[0] - full_logits(reference, prompt)).abs().max() < TOLERANCE["float32"]
+
+
+def test_padding_is_never_written_to_the_cache(tiny_llama):
+    runner = make_runner(tiny_llama)
+    short, long = runner.allocate_slot(), runner.allocate_slot()
+    runner.forward([short, long], [random_tokens(2, seed=8), random_tokens(9, seed=9)])
+    assert (runner.seq_len(short), runner.seq_len(long)) == (2, 9)
+    for layer in range(len(runner.cache.k)):
+        assert runner.cache.k[layer][short, :, 2:].abs().max() == 0
+        assert runner.cache.v[layer][short, :, 2:].abs().max() == 0
+        assert runner.cache.k[layer][long, :, :9].abs().max() > 0
+
+
+def test_batch_neighbours_do_not_change_a_rows_logits(tiny_llama):
+    runner = make_runner(tiny_llama)
+    tokens = random_tokens(8, seed=11)
+    alone = runner.allocate_slot()
+    expected = runner.forward([alone], [tokens])
+    row, other = runner.allocate_slot(), runner.allocate_slot()
+    runner.prefill([other], [random_tokens(20, seed=12)])
+    got = runner.forward([other, row], [random_tokens(3, seed=13), tokens])
+    assert (got[1, : len(tokens)] - expected[0]).abs().max() < TOLERANCE["float32"]
+
+
+def test_capacity_and_argument_errors(tiny_llama):
+    runner = make_runner(tiny_llama, max_num_seqs=2, max_model_len=8)
+    a, b = runner.allocate_slot(), runner.allocate_slot()
+    assert runner.num_free_slots == 0
+    with pytest.raises(CapacityError, match="max_num_seqs=2"):
+        runner.allocate_slot()
+    runner.forward([a], [[5] * 6])
+    with pytest.raises(CapacityError, match="max_model_len=8"):
+        runner.forward([a], [[5] * 3])
+    assert runner.seq_len(a) == 6  # a refused forward changes nothing
+    runner.forward([a], [[5] * 2])  # exactly full is fine
+    runner.free_slot(b)
+    bad_calls = [
+        (runner.forward, ([b], [[5]]), "not allocated"),
+        (runner.forward, ([7], [[5]]), "slot must be"),
+        (runner.forward, ([a, a], [[5], [5]]), "distinct"),
+        (runner.forward, ([a], [[]]), "empty"),
+        (runner.forward, ([a], [[runner.vocab_size]]), "token ids"),
+        (runner.forward, ([], []), "non-empty"),
+        (runner.truncate, (a, 9), "length must be"),
+        (runner.free_slot, (b,), "not allocated"),
+    ]
+    for call, args, message in bad_calls:
+        with pytest.raises(ValueError, match=message):
+            call(*args)
+
+
+def test_runner_attributes(tiny_llama):
+    runner = make_runner(tiny_llama)
+    assert runner.vocab_size == 128 and runner.eos_token_ids == (2,)
+    assert runner.num_free_slots == MAX_NUM_SEQS
+    assert runner.weight_bytes == sum(p.numel() * 4 for p in runner.model.parameters())
+    # 2 (k, v) * layers * slots * kv heads * positions * head_dim * 4 bytes
+    assert runner.kv_cache_bytes == 2 * 2 * MAX_NUM_SEQS * 2 * MAX_MODEL_LEN * 16 * 4
+
+
+def test_slot_attention_uses_a_config_copy_and_falls_back_without_cache(tiny_llama):
+    from transformers import LlamaForCausalLM
+
+    shared = tiny_llama()
+    sibling = LlamaForCausalLM(shared.config).eval()  # a second model on the same config object
+    runner = ModelRunner(ModelConfig(model="tiny"), CacheConfig(), model=shared)
+    assert runner.model.config._attn_implementation == SLOT_ATTENTION_NAME
+    assert sibling.config._attn_implementation == "sdpa"
+    tokens = torch.tensor([random_tokens(6, seed=14)])
+    with torch.no_grad():  # no slot metadata: plain causal attention, same as the reference
+        got = runner.model(tokens).logits
+    assert (got - tiny_llama()(tokens).logits).abs().max() < TOLERANCE["float32"]
