@@ -52,7 +52,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("mode", "num_running", "num_waiting", "batch_sizes", "balance", "skip_batch", "num_steps", "num_parallel_steps", "is_drafter_available", "num_speculative_tokens")
+    __slots__ = ("mode", "num_running", "num_waiting", "batch_sizes", "balance", "skip_batch", "num_steps", "num_parallel_steps", "is_drafter_available", "num_speculative_tokens", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "draft_ms", "verify_ms", "data_plane_ms", "idle_ms", "step_wall_ms", "max_num_running", "effective_mode")
     MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,16 @@ class StatusResponse(_message.Message):
     NUM_PARALLEL_STEPS_FIELD_NUMBER: _ClassVar[int]
     IS_DRAFTER_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_MS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_WALL_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    EFFECTIVE_MODE_FIELD_NUMBER: _ClassVar[int]
     mode: str
     num_running: int
     num_waiting: int
@@ -73,4 +83,14 @@ class StatusResponse(_message.Message):
     num_parallel_steps: int
     is_drafter_available: bool
     num_speculative_tokens: int
-    def __init__(self, mode: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., batch_sizes: _Optional[_Iterable[int]] = ..., balance: _Optional[int] = ..., skip_batch: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_parallel_steps: _Optional[int] = ..., is_drafter_available: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_emitted_tokens: int
+    draft_ms: float
+    verify_ms: float
+    data_plane_ms: float
+    idle_ms: float
+    step_wall_ms: float
+    max_num_running: int
+    effective_mode: str
+    def __init__(self, mode: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., batch_sizes: _Optional[_Iterable[int]] = ..., balance: _Optional[int] = ..., skip_batch: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_parallel_steps: _Optional[int] = ..., is_drafter_available: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_emitted_tokens: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., data_plane_ms: _Optional[float] = ..., idle_ms: _Optional[float] = ..., step_wall_ms: _Optional[float] = ..., max_num_running: _Optional[int] = ..., effective_mode: _Optional[str] = ...) -> None: ...
