@@ -44,6 +44,8 @@ DRAFT_FORMAT_MARKER = "minedraft_draft.json"
 HF_CONFIG_FILE = "config.json"
 GGUF_SUFFIX = ".gguf"
 MAX_MISMATCH_EXAMPLES = 5
+CACHE_DIR_MODE = 0o755
+CACHE_FILE_MODE = 0o644
 
 
 def cache_root() -> str:
@@ -110,6 +112,7 @@ def _converted_dir(gguf_path: str) -> str:
     tmp_dir = tempfile.mkdtemp(prefix=f".{stem}.tmp-", dir=models_dir)
     try:
         _convert_gguf(gguf_path, tmp_dir)
+        _make_readable(tmp_dir)
         os.rename(tmp_dir, final_dir)
     except OSError:
         if not os.path.isfile(os.path.join(final_dir, HF_CONFIG_FILE)):
@@ -118,6 +121,13 @@ def _converted_dir(gguf_path: str) -> str:
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return final_dir
+
+
+def _make_readable(dir_path: str) -> None:
+    """mkdtemp and safetensors create owner-only entries; a shared cache must be readable."""
+    os.chmod(dir_path, CACHE_DIR_MODE)
+    for name in os.listdir(dir_path):
+        os.chmod(os.path.join(dir_path, name), CACHE_FILE_MODE)
 
 
 def _convert_gguf(gguf_path: str, out_dir: str) -> None:
@@ -130,6 +140,9 @@ def _convert_gguf(gguf_path: str, out_dir: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(
         src_dir, gguf_file=file_name, dtype=torch.float32, local_files_only=True
     )
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:  # weights are already dequantized to float32 on load
+        quantizer.remove_quantization_config(model)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
 

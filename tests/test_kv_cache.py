@@ -174,3 +174,28 @@ def test_slot_attention_uses_a_config_copy_and_falls_back_without_cache(tiny_lla
     with torch.no_grad():  # no slot metadata: plain causal attention, same as the reference
         got = runner.model(tokens).logits
     assert (got - tiny_llama()(tokens).logits).abs().max() < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: ModelConfig(model=""), "model"),
+        (lambda: ModelConfig(gguf_file="weights.bin"), "gguf_file"),
+        (lambda: ModelConfig(dtype="int8"), "dtype"),
+        (lambda: ModelConfig(device="gpu7"), "device"),
+        (lambda: ModelConfig(num_threads=0), "num_threads"),
+        (lambda: CacheConfig(max_num_seqs=0), "max_num_seqs"),
+        (lambda: CacheConfig(max_model_len=1), "max_model_len"),
+    ],
+)
+def test_config_validation_names_the_field(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
+
+
+def test_configs_are_frozen():
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ModelConfig().dtype = "float64"
+    assert ModelConfig(dtype="float64").torch_dtype == torch.float64

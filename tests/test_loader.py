@@ -1,0 +1,167 @@
+"""Loader: model resolution, GGUF conversion cache, draft-format delegation, vocab checks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+from specdec import loader
+from specdec.config import CacheConfig, ModelConfig
+from specdec.errors import IncompatibleDraftError
+from specdec.kv_cache import SLOT_ATTENTION_NAME
+
+
+def save_word_level_tokenizer(path, vocab: dict[str, int]) -> str:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(str(path))
+    return str(path)
+
+
+BASE_VOCAB = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4, "draft": 5}
+
+
+def test_resolve_and_load_local_hf_dir_round_trips(tiny_llama, tiny_llama_dir, tmp_path):
+    model_dir = tiny_llama_dir(tmp_path / "tiny", seed=3)
+    cfg = ModelConfig(model=model_dir, dtype="float64")
+    assert loader.resolve_model_dir(cfg) == os.path.abspath(model_dir)
+    model = loader.load_model(cfg)
+    assert not model.training and model.dtype == torch.float64
+    assert model.config._attn_implementation == SLOT_ATTENTION_NAME
+    original = tiny_llama(seed=3, dtype=torch.float64)
+    tokens = torch.tensor([[1, 9, 27, 4]])
+    with torch.no_grad():
+        assert (model(tokens).logits - original(tokens).logits).abs().max() < 1e-10
+
+
+def test_resolve_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not an alias"):
+        loader.resolve_model_dir(ModelConfig(model=str(tmp_path / "missing")))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        loader.resolve_model_dir(ModelConfig(model=str(tmp_path)))
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        loader.resolve_model_dir(ModelConfig(model=str(tmp_path), gguf_file="x.gguf"))
+
+
+def fake_gguf(tmp_path, monkeypatch):
+    """A fake .gguf file, a private cache root, and a conversion double that counts calls."""
+    gguf = tmp_path / "src" / "fake-model.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF-test")
+    monkeypatch.setenv(loader.CACHE_ENV, str(tmp_path / "cache"))
+    calls = []
+
+    def convert(gguf_path, out_dir):
+        calls.append((gguf_path, out_dir))
+        with open(os.path.join(out_dir, loader.HF_CONFIG_FILE), "w") as f:
+            f.write("{}")
+
+    monkeypatch.setattr(loader, "_convert_gguf", convert)
+    return str(gguf), calls
+
+
+def test_gguf_is_converted_once_into_the_cache(tmp_path, monkeypatch):
+    gguf, calls = fake_gguf(tmp_path, monkeypatch)
+    first = loader.resolve_model_dir(ModelConfig(model=gguf))
+    second = loader.resolve_model_dir(ModelConfig(model=str(tmp_path / "src"), gguf_file="fake-model.gguf"))
+    assert first == second and len(calls) == 1
+    assert first.startswith(str(tmp_path / "cache" / "models" / "fake-model-"))
+    assert os.listdir(os.path.dirname(first)) == [os.path.basename(first)]  # temp dir gone
+
+
+def test_gguf_conversion_race_uses_the_winners_dir(tmp_path, monkeypatch):
+    gguf, _ = fake_gguf(tmp_path, monkeypatch)
+    final = loader.resolve_model_dir(ModelConfig(model=gguf))  # learn the cache dir name
+    shutil.rmtree(final)
+
+    def convert_but_lose_the_race(gguf_path, out_dir):
+        os.makedirs(final)  # another process renames its finished dir into place first
+        with open(os.path.join(final, loader.HF_CONFIG_FILE), "w") as f:
+            f.write('{"winner": true}')
+        with open(os.path.join(out_dir, loader.HF_CONFIG_FILE), "w") as f:
+            f.write("{}")
+
+    monkeypatch.setattr(loader, "_convert_gguf", convert_but_lose_the_race)
+    assert loader.resolve_model_dir(ModelConfig(model=gguf)) == final
+    with open(os.path.join(final, loader.HF_CONFIG_FILE)) as f:
+        assert "winner" in f.read()
+    assert os.listdir(os.path.dirname(final)) == [os.path.basename(final)]  # loser's temp removed
+
+
+def test_load_model_delegates_draft_format(tiny_llama, tmp_path, monkeypatch):
+    (tmp_path / loader.DRAFT_FORMAT_MARKER).write_text("{}")
+    seen = []
+
+    def load_draft(model_dir, cfg):
+        seen.append((model_dir, cfg))
+        return tiny_llama()
+
+    monkeypatch.setitem(sys.modules, "specdec.draft_format", types.SimpleNamespace(load_draft=load_draft))
+    cfg = ModelConfig(model=str(tmp_path))
+    model = loader.load_model(cfg)
+    assert seen == [(str(tmp_path), cfg)]
+    assert model.config._attn_implementation == SLOT_ATTENTION_NAME
+
+
+def test_check_vocab_compat(tmp_path):
+    target = save_word_level_tokenizer(tmp_path / "target", BASE_VOCAB)
+    same = save_word_level_tokenizer(tmp_path / "same", dict(BASE_VOCAB))
+    smaller = save_word_level_tokenizer(
+        tmp_path / "smaller", {t: i for t, i in BASE_VOCAB.items() if i < 5}
+    )
+    swapped = save_word_level_tokenizer(tmp_path / "swapped", {**BASE_VOCAB, "hello": 4, "world": 3})
+    foreign = save_word_level_tokenizer(tmp_path / "foreign", {**BASE_VOCAB, "other": 6})
+    loader.check_vocab_compat(target, same)
+    loader.check_vocab_compat(target, smaller)
+    with pytest.raises(IncompatibleDraftError, match="2 of 6 draft tokens.*'hello': draft id 4, target id 3"):
+        loader.check_vocab_compat(target, swapped)
+    with pytest.raises(IncompatibleDraftError, match="'other': draft id 6, target id None"):
+        loader.check_vocab_compat(target, foreign)
+
+
+def test_cli_resolve_prints_the_dir(tiny_llama_dir, tmp_path, capsys):
+    model_dir = tiny_llama_dir(tmp_path / "tiny")
+    assert loader.main(["resolve", model_dir]) == 0
+    assert capsys.readouterr().out.strip() == os.path.abspath(model_dir)
+    assert loader.main(["resolve", str(tmp_path / "missing")]) == 2
+
+
+def test_real_smollm2_alias_conversion_and_slot_cache_decoding(smollm2_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdec.runner import ModelRunner
+
+    started = time.perf_counter()
+    assert loader.resolve_model_dir(ModelConfig()) == smollm2_dir
+    assert time.perf_counter() - started < 5.0  # cached: no second conversion
+    assert os.path.isfile(os.path.join(smollm2_dir, "model.safetensors"))
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert tokenizer.chat_template
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name a colour."}], add_generation_prompt=True, tokenize=True
+    )["input_ids"]
+    assert prompt[0] == 1 and prompt[-1] == 198  # <|im_start|> ... "assistant\n"
+    runner = ModelRunner(ModelConfig(num_threads=1), CacheConfig(max_num_seqs=2, max_model_len=128))
+    assert runner.vocab_size == 49152 and 2 in runner.eos_token_ids
+    slot = runner.allocate_slot()
+    tokens = list(prompt)
+    logits = runner.prefill([slot], [tokens])[0]
+    step_logits = [logits]
+    for _ in range(4):  # greedy decode steps through the slot cache
+        tokens.append(int(step_logits[-1].argmax()))
+        step_logits.append(runner.forward([slot], [tokens[-1:]])[0, 0])
+    reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor([tokens])).logits[0, len(prompt) - 1 :]
+    assert (torch.stack(step_logits) - expected).abs().max() < 1e-4
