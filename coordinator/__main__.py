@@ -1,0 +1,54 @@
+"""``python -m coordinator``: the MineDraft coordinator (request lifecycle, Batch Manager, step loop).
+
+Serves ``minedraft.v1.Coordinator`` plus grpc.health.v1 (NOT_SERVING until both engines serve)
+and reflection on ``--port``; SIGTERM/SIGINT drain running requests for ``--grace`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from coordinator.config import DEFAULT_DRAFTER, DEFAULT_PORT, DEFAULT_VERIFIER, CoordinatorConfig, DataPlaneKind, Mode
+from coordinator.server import serve
+
+
+def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
+    """Parse the command line into a validated :class:`CoordinatorConfig`."""
+    p = argparse.ArgumentParser(prog="python -m coordinator", description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.PSD.value,
+                   help="ar: target only; sd: draft then verify; psd: MineDraft batch-parallel SD")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens: draft tokens per step")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="m: batch size (psd runs up to 2m)")
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="drafter_svc host:port")
+    p.add_argument("--verifier", default=DEFAULT_VERIFIER, help="verifier_svc rank-0 host:port")
+    p.add_argument("--host", default="127.0.0.1", help="listen address")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="listen port")
+    p.add_argument("--data-plane", choices=[d.value for d in DataPlaneKind], default=DataPlaneKind.INLINE.value,
+                   help="how draft probs reach the verifier")
+    p.add_argument("--max-queue-len", type=int, default=1024, help="most waiting requests")
+    p.add_argument("--drafter-retry", type=float, default=2.0, help="seconds between probes of a lost drafter")
+    p.add_argument("--rpc-timeout", type=float, default=120.0, help="deadline of each engine RPC (s)")
+    p.add_argument("--engine-wait", type=float, default=600.0, help="seconds to wait for the engines at start")
+    p.add_argument("--grace", type=float, default=5.0, help="drain seconds on SIGTERM")
+    p.add_argument("--log-level", default="INFO")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return CoordinatorConfig(
+            mode=a.mode, num_speculative_tokens=a.k, max_num_seqs=a.max_num_seqs, drafter=a.drafter,
+            verifier=a.verifier, host=a.host, port=a.port, data_plane=a.data_plane, max_queue_len=a.max_queue_len,
+            drafter_retry_s=a.drafter_retry, rpc_timeout_s=a.rpc_timeout, engine_wait_s=a.engine_wait,
+            grace_s=a.grace,
+        )
+    except ValueError as exc:
+        p.error(str(exc))
+
+
+def main(argv: list[str] | None = None) -> None:
+    asyncio.run(serve(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

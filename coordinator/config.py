@@ -1,0 +1,100 @@
+"""Coordinator configuration (frozen dataclass, validated in ``__post_init__``)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+DEFAULT_PORT = 50052
+DEFAULT_DRAFTER = "127.0.0.1:50053"
+DEFAULT_VERIFIER = "127.0.0.1:50054"
+MAX_PORT = 65535
+
+
+class Mode(enum.StrEnum):
+    """Step-loop mode: ``ar`` = target model alone (a verify step with k = 0); ``sd`` = standard
+    speculative decoding (draft, then verify, one batch); ``psd`` = MineDraft batch-parallel SD
+    (paper §5.1: two batches, drafting one while verifying the other)."""
+
+    AR = "ar"
+    SD = "sd"
+    PSD = "psd"
+
+
+class DataPlaneKind(enum.StrEnum):
+    """How draft probabilities reach the verifier (DESIGN.md §4)."""
+
+    INLINE = "inline"  # DraftResponse.draft_probs -> coordinator -> VerifyRequest.draft_probs
+    DIST = "dist"  # torch.distributed drafter -> verifier; the coordinator passes step ids only
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """Settings of one coordinator process.
+
+    Attributes:
+        mode: ``ar``, ``sd`` or ``psd``.
+        num_speculative_tokens: k, draft tokens per request and step (>= 1).
+        max_num_seqs: m, the batch size of one SD batch; at most ``2m`` requests run in ``psd``,
+            ``m`` in ``ar``/``sd`` (further capped by the engines' free slots).
+        drafter, verifier: ``host:port`` of drafter_svc and verifier_svc (rank 0).
+        host, port: where the coordinator's gRPC server listens.
+        data_plane: ``inline`` or ``dist``.
+        max_queue_len: most waiting (not yet admitted) requests; more are refused with
+            RESOURCE_EXHAUSTED.
+        drafter_retry_s: seconds between probes of an unavailable drafter (while in ``ar`` fallback).
+        rpc_timeout_s: deadline of each engine RPC (seconds).
+        engine_wait_s: seconds to wait at start-up for both engines to report SERVING.
+        grace_s: seconds in-flight requests get to finish on SIGTERM.
+    """
+
+    mode: Mode = Mode.PSD
+    num_speculative_tokens: int = 4
+    max_num_seqs: int = 8
+    drafter: str = DEFAULT_DRAFTER
+    verifier: str = DEFAULT_VERIFIER
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    data_plane: DataPlaneKind = DataPlaneKind.INLINE
+    max_queue_len: int = 1024
+    drafter_retry_s: float = 2.0
+    rpc_timeout_s: float = 120.0
+    engine_wait_s: float = 600.0
+    grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", _enum_field("mode", Mode, self.mode))
+        object.__setattr__(self, "data_plane", _enum_field("data_plane", DataPlaneKind, self.data_plane))
+        _require(self.num_speculative_tokens >= 1, "num_speculative_tokens", "must be >= 1")
+        _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        for name in ("drafter", "verifier"):
+            _require(":" in getattr(self, name), name, "expected host:port")
+        _require(bool(self.host), "host", "must not be empty")
+        _require(0 <= self.port <= MAX_PORT, "port", f"must be in [0, {MAX_PORT}]")
+        _require(self.max_queue_len >= 1, "max_queue_len", "must be >= 1")
+        for name in ("drafter_retry_s", "rpc_timeout_s", "engine_wait_s"):
+            _require(getattr(self, name) > 0, name, "must be > 0")
+        _require(self.grace_s >= 0, "grace_s", "must be >= 0")
+
+    @property
+    def max_num_running(self) -> int:
+        """Most requests running at once: 2m in ``psd`` (two batches), m otherwise."""
+        return 2 * self.max_num_seqs if self.mode == Mode.PSD else self.max_num_seqs
+
+    @property
+    def uses_drafter(self) -> bool:
+        """Whether the mode drafts at all (``sd`` and ``psd``)."""
+        return self.mode != Mode.AR
+
+
+def _enum_field(name: str, enum_type: type[enum.StrEnum], value: object) -> enum.StrEnum:
+    try:
+        return enum_type(value)
+    except ValueError:
+        choices = ", ".join(m.value for m in enum_type)
+        raise ValueError(f"{name}: must be one of {choices}, got {value!r}") from None
+
+
+def _require(condition: bool, field: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"{field}: {message}")

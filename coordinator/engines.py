@@ -1,0 +1,152 @@
+"""gRPC clients of drafter_svc and verifier_svc, and torch-free ``minedraft.v1.Tensor`` helpers.
+
+The coordinator never imports torch: draft token ids travel as int32 ``Tensor`` messages
+(little-endian raw bytes, row-major) and draft probabilities are sliced per request row as raw
+bytes (inline data plane), never decoded.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from minedraft.serving import aio_channel
+from minedraft.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+from coordinator.request import PendingDrafts, RequestState
+
+_INT_TYPECODES = {"int32": "i", "int64": "q"}
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32": 4, "int64": 8}
+
+
+def encode_token_ids(rows: Sequence[Sequence[int]]) -> common_pb2.Tensor:
+    """[batch, k] token ids -> int32 ``Tensor`` (little-endian). Raises ValueError on ragged rows."""
+    num_cols = len(rows[0]) if rows else 0
+    if any(len(row) != num_cols for row in rows):
+        raise ValueError("rows: draft token id rows must all have length k")
+    values = array("i", [t for row in rows for t in row])
+    if sys.byteorder == "big":
+        values.byteswap()
+    return common_pb2.Tensor(shape=[len(rows), num_cols], dtype="int32", data=values.tobytes())
+
+
+def decode_token_ids(tensor: common_pb2.Tensor) -> list[list[int]]:
+    """int32/int64 ``Tensor`` of shape [batch, k] -> nested lists. Raises ValueError otherwise."""
+    if tensor.dtype not in _INT_TYPECODES or len(tensor.shape) != 2:
+        raise ValueError(f"tensor: expected int32/int64 [batch, k], got {tensor.dtype} {list(tensor.shape)}")
+    values = array(_INT_TYPECODES[tensor.dtype])
+    values.frombytes(tensor.data)
+    if sys.byteorder == "big":
+        values.byteswap()
+    num_rows, num_cols = tensor.shape
+    if len(values) != num_rows * num_cols:
+        raise ValueError(f"tensor: {len(values)} values do not fill shape {list(tensor.shape)}")
+    return [list(values[i * num_cols : (i + 1) * num_cols]) for i in range(num_rows)]
+
+
+def split_prob_rows(tensor: common_pb2.Tensor, num_rows: int) -> list[bytes]:
+    """Split draft probs [batch, k, V] raw bytes into ``num_rows`` per-request [k, V] byte rows."""
+    if len(tensor.shape) != 3 or tensor.shape[0] != num_rows or tensor.dtype not in _ITEMSIZE:
+        raise ValueError(f"tensor: expected draft probs [{num_rows}, k, V], got {tensor.dtype} {list(tensor.shape)}")
+    row_bytes = tensor.shape[1] * tensor.shape[2] * _ITEMSIZE[tensor.dtype]
+    if len(tensor.data) != row_bytes * num_rows:
+        raise ValueError(f"tensor: {len(tensor.data)} bytes do not fill shape {list(tensor.shape)}")
+    return [tensor.data[i * row_bytes : (i + 1) * row_bytes] for i in range(num_rows)]
+
+
+def join_prob_rows(drafts: Sequence[PendingDrafts]) -> common_pb2.Tensor | None:
+    """Stack the per-request prob rows of a verify batch back into [batch, k, V]; None if absent."""
+    if not drafts or any(d.probs_row is None for d in drafts):
+        return None
+    first = drafts[0]
+    shape = [len(drafts), len(first.token_ids), first.vocab_size]
+    return common_pb2.Tensor(shape=shape, dtype=first.probs_dtype, data=b"".join(d.probs_row for d in drafts))
+
+
+@dataclass
+class DraftResult:
+    """Outcome of one Draft call: per-request drafts plus times in ms."""
+
+    drafts: list[PendingDrafts]
+    draft_ms: float
+    data_plane_ms: float
+    wall_ms: float
+
+
+class EngineClients:
+    """Async stubs of the drafter (``minedraft.v1.Drafter``) and verifier (``minedraft.v1.Verifier``).
+
+    Every call carries ``rpc_timeout_s``; failures surface as ``grpc.aio.AioRpcError``.
+    """
+
+    def __init__(self, drafter: str, verifier: str, rpc_timeout_s: float) -> None:
+        self._channels = (aio_channel(drafter), aio_channel(verifier))
+        self.drafter = engine_pb2_grpc.DrafterStub(self._channels[0])
+        self.verifier = engine_pb2_grpc.VerifierStub(self._channels[1])
+        self.timeout = rpc_timeout_s
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+    async def add_requests(self, stub, seqs: list[engine_pb2.SeqInit]) -> engine_pb2.AddRequestsResponse:
+        return await stub.AddRequests(engine_pb2.AddRequestsRequest(seqs=seqs), timeout=self.timeout)
+
+    async def release(self, stub, request_ids: list[str]) -> int:
+        response = await stub.ReleaseRequests(engine_pb2.ReleaseRequest(request_ids=request_ids), timeout=self.timeout)
+        return response.num_released
+
+    async def draft(self, step_id: int, requests: list[RequestState], k: int, data_plane: int) -> DraftResult:
+        """Draft k tokens for ``requests``; tells the drafter the committed tokens it has not seen.
+
+        Updates each request's ``num_drafter_tokens`` (the drafter caught up on a successful call).
+        Raises grpc.aio.AioRpcError, or ValueError on a malformed response.
+        """
+        # Re-send at least the last committed token: a start position earlier than what the
+        # drafter saw is valid (it keeps the common prefix), and catch-up always has a token to feed.
+        starts = [min(r.num_drafter_tokens, len(r.prompt_token_ids) + len(r.output_token_ids) - 1) for r in requests]
+        seqs = [
+            engine_pb2.DraftSeq(request_id=r.request_id, start_position=start, token_ids=r.committed[start:])
+            for r, start in zip(requests, starts)
+        ]
+        request = engine_pb2.DraftRequest(step_id=step_id, num_speculative_tokens=k, seqs=seqs, data_plane=data_plane)
+        start = time.perf_counter()
+        response = await self.drafter.Draft(request, timeout=self.timeout)
+        wall_ms = (time.perf_counter() - start) * 1e3
+        token_rows = decode_token_ids(response.draft_token_ids)
+        if len(token_rows) != len(requests) or any(len(row) != k for row in token_rows):
+            raise ValueError(f"draft_token_ids: expected [{len(requests)}, {k}], got {list(response.draft_token_ids.shape)}")
+        prob_rows: list[bytes | None] = [None] * len(requests)
+        if response.has_draft_probs and response.HasField("draft_probs"):
+            prob_rows = split_prob_rows(response.draft_probs, len(requests))
+        dtype = response.draft_probs.dtype or "float32"
+        vocab_size = response.draft_probs.shape[2] if len(response.draft_probs.shape) == 3 else 0
+        for r in requests:
+            r.num_drafter_tokens = len(r.committed)
+        has_probs = response.has_draft_probs
+        drafts = [
+            PendingDrafts(step_id, row, probs, dtype, vocab_size, has_probs) for row, probs in zip(token_rows, prob_rows)
+        ]
+        return DraftResult(drafts, response.draft_ms, response.data_plane_ms, wall_ms)
+
+    async def verify(
+        self, step_id: int, request_ids: list[str], drafts: list[PendingDrafts] | None, data_plane: int
+    ) -> tuple[engine_pb2.VerifyResponse, float]:
+        """Verify ``request_ids`` with ``drafts`` (one per request, all from one drafter step), or
+        decode them (``drafts`` None: k = 0). Returns (response, wall ms). Raises grpc.aio.AioRpcError.
+        """
+        request = engine_pb2.VerifyRequest(step_id=step_id, request_ids=request_ids)
+        if drafts:
+            request.draft_token_ids.CopyFrom(encode_token_ids([d.token_ids for d in drafts]))
+            request.draft_step_id = drafts[0].step_id
+            request.data_plane = data_plane
+            request.has_draft_probs = any(d.has_probs for d in drafts)
+            probs = join_prob_rows(drafts)
+            if probs is not None:
+                request.draft_probs.CopyFrom(probs)
+        start = time.perf_counter()
+        response = await self.verifier.Verify(request, timeout=self.timeout)
+        return response, (time.perf_counter() - start) * 1e3

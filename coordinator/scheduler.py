@@ -1,0 +1,341 @@
+"""The coordinator's step loop: admission, ``ar`` / ``sd`` / ``psd`` steps, finish, abort, fallback.
+
+One async loop owns every engine RPC, so engine state changes only at step boundaries:
+``sync`` (release finished/aborted KV, probe a lost drafter) -> ``admit`` (FIFO queue, prefill on
+both engines; the verifier's first token is streamed at once = TTFT) -> ``step``.
+
+A step (nano-vllm style: schedule, run, postprocess):
+- ``ar``: verify every running request with k = 0 (plain decode).
+- ``sd``: draft k tokens for the batch, then verify it (Leviathan et al. 2023).
+- ``psd`` (MineDraft paper §5.1): the verifier verifies the batch other than ``skip_batch`` with
+  the drafts made for it at the previous step while the drafter drafts ``skip_batch``
+  (``asyncio.gather``); then tokens are committed, finished requests recycled, ``skip_batch``
+  flipped. A verify batch without drafts (first step, one batch empty, after a drafter outage)
+  is drafted first, i.e. that part falls back to ``sd``.
+If the drafter fails, every request continues in ``ar`` on the verifier and the drafter is probed
+every ``drafter_retry_s``; on recovery the requests are re-added to it (prefill of the committed
+sequence) and speculation resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+
+import grpc
+
+from minedraft.v1 import engine_pb2
+
+from coordinator.batch_manager import BatchManager
+from coordinator.config import CoordinatorConfig, DataPlaneKind, Mode
+from coordinator.engines import EngineClients
+from coordinator.finish import FinishReason, apply_finish
+from coordinator.request import RequestState, RequestStatus
+from coordinator.stats import StepStats, StepTotals
+
+logger = logging.getLogger(__name__)
+
+_DATA_PLANE = {DataPlaneKind.INLINE: engine_pb2.DATA_PLANE_INLINE, DataPlaneKind.DIST: engine_pb2.DATA_PLANE_DIST}
+
+
+class QueueFullError(Exception):
+    """The waiting queue holds ``max_queue_len`` requests."""
+
+
+class _StepTimes:
+    def __init__(self) -> None:
+        self.draft_ms = self.verify_ms = self.data_plane_ms = 0.0
+        self.num_drafted = 0
+
+
+class Scheduler:
+    """Request lifecycle and step loop over a drafter and a verifier (see module docstring).
+
+    Args:
+        cfg: the coordinator configuration.
+        engines: gRPC clients of both engines.
+        eos_token_ids: the target model's EOS ids (from the verifier's ``GetInfo``).
+        num_engine_slots: free KV slots of the engines at start (min over the engines used).
+    """
+
+    def __init__(self, cfg: CoordinatorConfig, engines: EngineClients, eos_token_ids: tuple[int, ...],
+                 num_engine_slots: int) -> None:
+        self.cfg, self.engines, self.eos_token_ids = cfg, engines, eos_token_ids
+        self.max_num_running = min(cfg.max_num_running, num_engine_slots)
+        self.waiting: collections.OrderedDict[str, RequestState] = collections.OrderedDict()
+        self.running: dict[str, RequestState] = {}
+        self.batches = BatchManager()
+        self.is_drafter_available = cfg.uses_drafter
+        self.totals = StepTotals()
+        self.step_id = 0
+        self._to_release: set[str] = set()
+        self._drafter_orphans: set[str] = set()
+        self._num_draft_calls = 0
+        self._next_drafter_probe = 0.0
+        self._wakeup = asyncio.Event()
+        self._data_plane = _DATA_PLANE[cfg.data_plane]
+
+    # ------------------------------------------------------------------ public API
+    def submit(self, request: RequestState) -> None:
+        """Queue a new request (FIFO). Raises QueueFullError, or ValueError on a duplicate id."""
+        if request.request_id in self.waiting or request.request_id in self.running:
+            raise ValueError(f"request_id: {request.request_id!r} is already in flight")
+        if len(self.waiting) >= self.cfg.max_queue_len:
+            raise QueueFullError(f"waiting queue is full ({self.cfg.max_queue_len} requests)")
+        self.waiting[request.request_id] = request
+        self._wakeup.set()
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a waiting or running request: finish it with "abort", drop its pending drafts,
+        and release its KV in both engines at the next sync point. Returns False if unknown."""
+        request = self.waiting.pop(request_id, None)
+        if request is not None:
+            request.finish(FinishReason.ABORT)
+            return True
+        if request_id not in self.running:
+            return False
+        self._retire(self.running[request_id], FinishReason.ABORT)
+        self._wakeup.set()
+        return True
+
+    @property
+    def mode(self) -> Mode:
+        """The mode the loop runs now (``ar`` while the drafter is unavailable)."""
+        return self.cfg.mode if self.is_drafter_available else Mode.AR
+
+    async def run(self) -> None:
+        """Run the step loop until cancelled. A verifier failure fails the running requests
+        (UNAVAILABLE etc.); the loop keeps serving the next ones."""
+        while True:
+            try:
+                await self._iterate()
+            except grpc.aio.AioRpcError as exc:
+                logger.error("verifier call failed at step %d: %s", self.step_id, exc.code())
+                self._fail_running(exc.code(), f"verifier: {exc.details()}")
+            except Exception as exc:  # a bug or malformed response must not stop other requests
+                logger.exception("step %d failed", self.step_id)
+                self._fail_running(grpc.StatusCode.INTERNAL, f"step failed: {exc}")
+
+    async def wait_idle(self, poll_s: float = 0.05) -> None:
+        """Return once no request is waiting or running (used to drain on shutdown)."""
+        while self.waiting or self.running:
+            await asyncio.sleep(poll_s)
+
+    async def _iterate(self) -> None:
+        await self._sync()
+        await self._admit()
+        if self.running:
+            await self.step()
+        elif not self.waiting and not self._to_release:
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+    # ------------------------------------------------------------------ sync and admission
+    async def _sync(self) -> None:
+        if self._to_release:
+            ids, self._to_release = sorted(self._to_release), set()
+            if self.cfg.uses_drafter and not self.is_drafter_available:
+                self._drafter_orphans.update(ids)  # released there once it is back
+            await self._release(ids)
+        if self.cfg.uses_drafter and not self.is_drafter_available and time.monotonic() >= self._next_drafter_probe:
+            await self._probe_drafter()
+
+    async def _release(self, ids: list[str]) -> None:
+        stubs = [self.engines.verifier] + ([self.engines.drafter] if self.is_drafter_available else [])
+        results = await asyncio.gather(*(self.engines.release(s, ids) for s in stubs), return_exceptions=True)
+        for stub, result in zip(stubs, results):
+            if isinstance(result, Exception):
+                logger.warning("release of %d requests failed: %s", len(ids), result)
+                if stub is self.engines.drafter:
+                    self._lose_drafter(result)
+
+    async def _admit(self) -> None:
+        # slots of finished/aborted requests count until their release RPC has run
+        num_free = self.max_num_running - len(self.running) - len(self._to_release)
+        new = [self.waiting.popitem(last=False)[1] for _ in range(min(num_free, len(self.waiting)))]
+        if not new:
+            return
+        for request in new:
+            request.status = RequestStatus.RUNNING
+            self.running[request.request_id] = request
+        seqs = [engine_pb2.SeqInit(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, sampling=r.sampling)
+                for r in new]
+        is_drafting = self.mode != Mode.AR
+        calls = [self.engines.add_requests(self.engines.verifier, seqs)]
+        if is_drafting:
+            calls.append(self.engines.add_requests(self.engines.drafter, seqs))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        if is_drafting and isinstance(results[1], Exception):
+            self._lose_drafter(results[1])
+        elif is_drafting:
+            for request in new:
+                request.num_drafter_tokens = len(request.prompt_token_ids)
+        if isinstance(results[0], Exception):
+            code = results[0].code() if isinstance(results[0], grpc.aio.AioRpcError) else grpc.StatusCode.INTERNAL
+            for request in new:
+                self._retire(request, None, error=(code, f"verifier prefill failed: {results[0]}"))
+            return
+        self._start_requests(new, results[0])
+
+    def _start_requests(self, new: list[RequestState], response: engine_pb2.AddRequestsResponse) -> None:
+        outputs = {out.request_id: out for out in response.outputs}
+        alive = []
+        for request in new:
+            out = outputs.get(request.request_id)
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted while prefilling; its release is queued
+            if out is None:
+                self._retire(request, None, error=(grpc.StatusCode.INTERNAL, "verifier returned no first token"))
+            elif self._commit(request, list(out.token_ids), list(out.logprobs), 0, 0):
+                alive.append(request.request_id)
+        if self.cfg.mode == Mode.PSD:
+            self.batches.assign(alive)
+
+    # ------------------------------------------------------------------ the step
+    async def step(self) -> StepStats:
+        """Run one step in the current mode and return its record (also added to ``totals``)."""
+        self.step_id += 1
+        start, mode, times = time.perf_counter(), self.mode, _StepTimes()
+        verify_reqs, ahead_reqs = self._schedule(mode)
+        if mode != Mode.AR and any(r.drafts is None for r in verify_reqs):
+            await self._draft(verify_reqs, times)  # sd part: drafts needed before this verify
+        drafts = [r.drafts for r in verify_reqs] if all(r.drafts for r in verify_reqs) else None
+        verify_ids = [r.request_id for r in verify_reqs]
+        calls = [self.engines.verify(self.step_id, verify_ids, drafts, self._data_plane)]
+        if ahead_reqs and self.mode != Mode.AR:
+            calls.append(self._draft(ahead_reqs, times))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        if isinstance(results[0], BaseException):
+            raise results[0]
+        response, _ = results[0]
+        times.verify_ms, times.data_plane_ms = response.verify_ms, times.data_plane_ms + response.data_plane_ms
+        num_emitted, num_accepted = self._postprocess(verify_reqs, drafts, response)
+        is_parallel = mode == Mode.PSD and bool(ahead_reqs) and self.mode == Mode.PSD
+        if mode == Mode.PSD and ahead_reqs:
+            self.batches.flip()
+        elif mode == Mode.PSD:
+            self.batches.mark_started()
+        return self._record(mode, verify_reqs, drafts, times, num_accepted, num_emitted, start, is_parallel)
+
+    def _schedule(self, mode: Mode) -> tuple[list[RequestState], list[RequestState]]:
+        """(requests to verify now, requests to draft ahead for the next step)."""
+        if mode != Mode.PSD:
+            return list(self.running.values()), []
+        if self.batches.is_empty(1 - self.batches.skip_batch):
+            self.batches.flip()  # one batch empty: verify the other (sd fallback), newcomers draft
+        verify = [self.running[r] for r in self.batches.verify_batch()]
+        ahead = [self.running[r] for r in self.batches.draft_batch()]
+        return verify, ahead
+
+    async def _draft(self, requests: list[RequestState], times: _StepTimes) -> None:
+        """Draft for ``requests``; on a drafter failure switch to ``ar`` (drafts dropped)."""
+        self._num_draft_calls += 1  # drafter step ids are unique per Draft call (dist plane key)
+        try:
+            result = await self.engines.draft(self._num_draft_calls, requests, self.cfg.num_speculative_tokens,
+                                              self._data_plane)
+        except (grpc.aio.AioRpcError, ValueError) as exc:
+            self._lose_drafter(exc)
+            return
+        for request, drafts in zip(requests, result.drafts):
+            if request.status == RequestStatus.RUNNING:
+                request.drafts = drafts
+        times.draft_ms += result.draft_ms
+        times.data_plane_ms += result.data_plane_ms
+        times.num_drafted += len(requests)
+
+    def _postprocess(self, verify_reqs, drafts, response: engine_pb2.VerifyResponse) -> tuple[int, int]:
+        """Commit each verified request's tokens; returns (tokens emitted, draft tokens accepted)."""
+        outputs = {out.request_id: out for out in response.outputs}
+        k = len(drafts[0].token_ids) if drafts else 0
+        num_emitted = num_accepted = 0
+        for request in verify_reqs:
+            request.drafts = None
+            out = outputs.get(request.request_id)
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            if out is None:
+                self._retire(request, None, error=(grpc.StatusCode.INTERNAL, "verifier returned no output"))
+                continue
+            before = len(request.output_token_ids)
+            self._commit(request, list(out.token_ids), list(out.logprobs), k, out.num_accepted)
+            num_emitted += len(request.output_token_ids) - before
+            num_accepted += out.num_accepted
+        return num_emitted, num_accepted
+
+    def _commit(self, request: RequestState, token_ids: list[int], logprobs: list[float], k: int,
+                num_accepted: int) -> bool:
+        """Apply finish rules to a committed block, stream it; returns True if still running."""
+        emitted, reason = apply_finish(token_ids, len(request.output_token_ids), request.finish_params,
+                                       self.eos_token_ids)
+        num_accepted_emitted = min(num_accepted, len(emitted))
+        request.output_token_ids += emitted
+        request.num_draft_tokens += k
+        request.num_accepted_tokens += num_accepted_emitted
+        request.num_drafts += int(k > 0)
+        if emitted:
+            request.send_chunk(emitted, logprobs[: len(emitted)], k, num_accepted_emitted)
+        if reason is not None:
+            self._retire(request, reason)
+        return reason is None
+
+    def _record(self, mode, verify_reqs, drafts, times, num_accepted, num_emitted, start, is_parallel) -> StepStats:
+        k = len(drafts[0].token_ids) if drafts else 0
+        wall_ms = (time.perf_counter() - start) * 1e3
+        stats = StepStats(
+            mode=str(mode), step_id=self.step_id, num_verify=len(verify_reqs), num_draft=times.num_drafted, k=k,
+            num_draft_tokens=k * len(verify_reqs), num_accepted_tokens=num_accepted, num_emitted_tokens=num_emitted,
+            draft_ms=times.draft_ms, verify_ms=times.verify_ms, data_plane_ms=times.data_plane_ms,
+            idle_ms=max(wall_ms - times.verify_ms, 0.0), wall_ms=wall_ms, is_parallel=is_parallel,
+        )
+        self.totals.record(stats)
+        return stats
+
+    # ------------------------------------------------------------------ retire, failures
+    def _retire(self, request: RequestState, reason: FinishReason | None, error: tuple | None = None) -> None:
+        """Remove a running request (finish or error), and queue its KV release in both engines."""
+        self.running.pop(request.request_id, None)
+        self.batches.recycle(request.request_id)
+        self._to_release.add(request.request_id)
+        if error is not None:
+            code, message = error
+            request.fail(code.value[0], message)
+        else:
+            request.finish(reason)
+
+    def _fail_running(self, code: grpc.StatusCode, message: str) -> None:
+        for request in list(self.running.values()):
+            self._retire(request, None, error=(code, message))
+
+    def _lose_drafter(self, exc: BaseException) -> None:
+        if self.is_drafter_available:
+            logger.warning("drafter unavailable (%s); continuing in ar on the verifier", exc)
+        self.is_drafter_available = False
+        self._next_drafter_probe = time.monotonic() + self.cfg.drafter_retry_s
+        for request in self.running.values():
+            request.drafts = None
+            request.num_drafter_tokens = 0
+
+    async def _probe_drafter(self) -> None:
+        """Re-add every running request to the drafter (prefill of its committed sequence but the
+        last token) and resume speculation; on failure try again after ``drafter_retry_s``."""
+        requests = list(self.running.values())
+        ids = sorted({r.request_id for r in requests} | self._drafter_orphans)
+        seqs = [engine_pb2.SeqInit(request_id=r.request_id, prompt_token_ids=r.committed[:-1], sampling=r.sampling)
+                for r in requests]
+        try:
+            await self.engines.drafter.GetInfo(engine_pb2.EngineInfoRequest(), timeout=self.engines.timeout)
+            if ids:
+                await self.engines.release(self.engines.drafter, ids)
+            if seqs:
+                await self.engines.add_requests(self.engines.drafter, seqs)
+        except grpc.aio.AioRpcError as exc:
+            self._next_drafter_probe = time.monotonic() + self.cfg.drafter_retry_s
+            logger.info("drafter still unavailable: %s", exc.code())
+            return
+        for request in requests:
+            request.num_drafter_tokens = len(request.committed) - 1
+        self._drafter_orphans.clear()
+        self.is_drafter_available = True
+        logger.info("drafter is back; %s resumes for %d running requests", self.cfg.mode, len(requests))

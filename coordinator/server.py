@@ -1,0 +1,169 @@
+"""grpc.aio ``minedraft.v1.Coordinator`` service: Generate (stream), Abort, GetStatus.
+
+``serve(cfg)`` builds the server (health NOT_SERVING + reflection, ``minedraft.serving``), waits
+until the verifier (and, in ``sd``/``psd``, the drafter) report SERVING and answer ``GetInfo``,
+starts the step loop (``coordinator.scheduler``), reports SERVING, and on SIGTERM/SIGINT drains:
+new requests are refused (UNAVAILABLE) and running ones get ``grace_s`` seconds to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from minedraft.serving import ServerOptions, build_server, serve_until_signal, wait_for_serving
+from minedraft.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, engine_pb2
+
+from coordinator.config import CoordinatorConfig
+from coordinator.engines import EngineClients
+from coordinator.finish import FinishParams
+from coordinator.request import RequestState
+from coordinator.scheduler import QueueFullError, Scheduler
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+
+def _error(code: grpc.StatusCode, message: str) -> coordinator_pb2.CoordinatorGenerateResponse:
+    return coordinator_pb2.CoordinatorGenerateResponse(error=common_pb2.GenerateError(code=code.value[0], message=message))
+
+
+def _validate(request: coordinator_pb2.CoordinatorGenerateRequest) -> str | None:
+    """The reason a Generate request is invalid, or None."""
+    if not request.request_id:
+        return "request_id: must not be empty"
+    if not request.prompt_token_ids:
+        return "prompt_token_ids: must not be empty"
+    if any(t < 0 for t in request.prompt_token_ids):
+        return "prompt_token_ids: token ids must be >= 0"
+    if request.sampling.max_tokens < 1:
+        return f"sampling.max_tokens: must be >= 1, got {request.sampling.max_tokens}"
+    if request.sampling.temperature < 0:
+        return f"sampling.temperature: must be >= 0, got {request.sampling.temperature}"
+    return None
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    """The Coordinator RPCs over one :class:`Scheduler` (None until the engines are ready)."""
+
+    def __init__(self, cfg: CoordinatorConfig) -> None:
+        self.cfg = cfg
+        self.scheduler: Scheduler | None = None
+        self.is_draining = False
+
+    async def Generate(self, request, context) -> AsyncIterator[coordinator_pb2.CoordinatorGenerateResponse]:
+        """Stream ``TokenChunk``s, then one ``Finished`` (or one ``GenerateError``). A cancelled
+        stream aborts the request (its KV is released in both engines)."""
+        scheduler = self.scheduler
+        if scheduler is None or self.is_draining:
+            yield _error(grpc.StatusCode.UNAVAILABLE, "coordinator is not serving (warming up or draining)")
+            return
+        problem = _validate(request)
+        if problem is not None:
+            yield _error(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            return
+        state = RequestState(request.request_id, list(request.prompt_token_ids), request.sampling,
+                             FinishParams.from_params(request.sampling))
+        try:
+            scheduler.submit(state)
+        except QueueFullError as exc:
+            yield _error(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            return
+        except ValueError as exc:
+            yield _error(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+            return
+        is_done = False
+        try:
+            while not is_done:
+                message = await state.outbox.get()
+                is_done = message.WhichOneof("response") != "chunk"
+                yield message
+        finally:
+            if not is_done:  # client went away (cancel) before the finish: abort it
+                scheduler.abort(state.request_id)
+
+    async def Abort(self, request, context) -> common_pb2.AbortResponse:
+        """Abort a waiting or running request; ``found`` is False for unknown ids."""
+        found = self.scheduler is not None and self.scheduler.abort(request.request_id)
+        return common_pb2.AbortResponse(found=found)
+
+    async def GetStatus(self, request, context) -> coordinator_pb2.StatusResponse:
+        """Queue and batch state plus step totals (see ``coordinator.stats``)."""
+        response = coordinator_pb2.StatusResponse(mode=str(self.cfg.mode),
+                                                  num_speculative_tokens=self.cfg.num_speculative_tokens)
+        scheduler = self.scheduler
+        if scheduler is None:
+            return response
+        totals, batches = scheduler.totals, scheduler.batches
+        response.MergeFrom(coordinator_pb2.StatusResponse(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            batch_sizes=list(batches.batch_sizes()), balance=batches.balance, skip_batch=batches.skip_batch,
+            num_steps=totals.num_steps, num_parallel_steps=totals.num_parallel_steps,
+            is_drafter_available=scheduler.is_drafter_available, num_draft_tokens=totals.num_draft_tokens,
+            num_accepted_tokens=totals.num_accepted_tokens, num_emitted_tokens=totals.num_emitted_tokens,
+            draft_ms=totals.draft_ms, verify_ms=totals.verify_ms, data_plane_ms=totals.data_plane_ms,
+            idle_ms=totals.idle_ms, step_wall_ms=totals.wall_ms, max_num_running=scheduler.max_num_running,
+            effective_mode=str(scheduler.mode),
+        ))
+        return response
+
+    async def drain(self) -> None:
+        """Refuse new requests and wait for the running ones (bounded by the caller's grace)."""
+        self.is_draining = True
+        if self.scheduler is not None:
+            await self.scheduler.wait_idle()
+
+
+async def connect_engines(cfg: CoordinatorConfig) -> tuple[EngineClients, tuple[int, ...], int]:
+    """Wait for the engines to serve; return (clients, EOS token ids, free KV slots).
+
+    Raises:
+        TimeoutError: an engine is not SERVING within ``engine_wait_s``.
+        RuntimeError: an engine reports no free slot.
+    """
+    addresses = [cfg.verifier] + ([cfg.drafter] if cfg.uses_drafter else [])
+    await asyncio.gather(*(wait_for_serving(a, cfg.engine_wait_s) for a in addresses))
+    engines = EngineClients(cfg.drafter, cfg.verifier, cfg.rpc_timeout_s)
+    stubs = [engines.verifier] + ([engines.drafter] if cfg.uses_drafter else [])
+    infos = await asyncio.gather(*(s.GetInfo(engine_pb2.EngineInfoRequest(), timeout=cfg.rpc_timeout_s) for s in stubs))
+    num_slots = min(info.num_free_slots for info in infos)
+    if num_slots < 1:
+        raise RuntimeError(f"engines report no free KV slot: {[info.num_free_slots for info in infos]}")
+    for address, info in zip(addresses, infos):
+        logger.info("engine %s: model %s, %d free slots, max_model_len %d", address, info.model,
+                    info.num_free_slots, info.max_model_len)
+    return engines, tuple(infos[0].eos_token_ids), num_slots
+
+
+async def start(cfg: CoordinatorConfig, servicer: CoordinatorServicer) -> tuple[Scheduler, asyncio.Task]:
+    """Connect to the engines and start the step loop for ``servicer``."""
+    engines, eos_token_ids, num_slots = await connect_engines(cfg)
+    scheduler = Scheduler(cfg, engines, eos_token_ids, num_slots)
+    task = asyncio.create_task(scheduler.run(), name="coordinator-step-loop")
+    servicer.scheduler = scheduler
+    return scheduler, task
+
+
+async def serve(cfg: CoordinatorConfig) -> None:
+    """Run the coordinator until SIGTERM/SIGINT (see module docstring)."""
+    server, health, port = await build_server([SERVICE_NAME], ServerOptions(host=cfg.host, port=cfg.port))
+    servicer = CoordinatorServicer(cfg)
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
+    await server.start()
+    logger.info("coordinator listening on %s:%d (mode %s, k %d, m %d)", cfg.host, port, cfg.mode,
+                cfg.num_speculative_tokens, cfg.max_num_seqs)
+    scheduler, task = await start(cfg, servicer)
+    await health.set_serving()
+    try:
+        await serve_until_signal(server, health, grace_s=cfg.grace_s, on_drain=servicer.drain)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await scheduler.engines.close()
+    logger.info("coordinator stopped after %d steps", scheduler.totals.num_steps)
