@@ -1,0 +1,324 @@
+"""In-process reference loops ``ar`` / ``sd`` / ``psd`` over the engine workers, and a CLI.
+
+- ``ar``: the target model alone; every step is a verify step with k = 0 (plain decode).
+- ``sd``: standard speculative decoding (Leviathan et al. 2023): draft k tokens for the running
+  batch, then verify them, one after the other.
+- ``psd``: MineDraft batch-parallel SD (Tang, Verma et al. 2026, §5.1): two batches managed by
+  ``coordinator.batch_manager.BatchManager``; each step drafts ``skip_batch`` while the other
+  batch is verified with the drafts made for it at the previous step, then the roles flip. Here
+  both halves run in turn in one process: the loop checks the algorithm, not the overlap. A
+  verify-batch request without drafts yet (first step, after an SD fallback) is drafted in-step;
+  when the draft batch is empty the verify batch runs as standard SD.
+
+Admission is continuous (at most ``max_num_seqs`` running); finishing uses
+``coordinator.finish.apply_finish`` (EOS, stop ids, max_tokens, cut inside an accepted block).
+
+Metrics (as vLLM's spec-decode metrics): ``num_drafts`` = number of (request, verify step) pairs
+with k > 0 draft tokens; ``num_accepted_tokens`` = accepted draft tokens over those;
+**mean acceptance length** = ``1 + num_accepted_tokens / num_drafts`` = mean number of tokens
+committed per verify step per request (1.0 for ``ar``). Throughput is output tokens/s of wall time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from coordinator.batch_manager import BatchManager
+from coordinator.finish import apply_finish
+from specdec.sampling import SamplingParams
+from specdec.worker import DraftWorker, StepOutput, TargetWorker
+
+MODES = ("ar", "sd", "psd")
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """Reference loop settings.
+
+    Attributes:
+        mode: one of ``MODES``.
+        num_speculative_tokens: k >= 1 (ignored by ``ar``).
+        max_num_seqs: running requests at most (>= 1); ``psd`` splits them over two batches.
+    """
+
+    mode: str = "sd"
+    num_speculative_tokens: int = 4
+    max_num_seqs: int = 16
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got "
+                             f"{self.num_speculative_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass
+class Request:
+    """One prompt's progress; ``output_token_ids`` holds the emitted tokens only."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_draft_synced: int = 0          # committed tokens the draft worker already knows
+    is_speculative: bool = True        # False once the draft KV cannot hold it
+    drafts: tuple[list[int], torch.Tensor | None] | None = None   # psd: made at the last step
+
+    @property
+    def committed(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass
+class LoopStats:
+    """Counters of a run; see the module docstring for the definitions."""
+
+    num_output_tokens: int = 0
+    num_verify_steps: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+class ReferenceLoop:
+    """Runs a list of requests to completion with one target and (for sd/psd) one draft worker.
+
+    Raises:
+        ValueError: ``sd``/``psd`` without a draft worker.
+    """
+
+    def __init__(self, cfg: LoopConfig, target: TargetWorker, drafter: DraftWorker | None = None):
+        if cfg.mode != "ar" and drafter is None:
+            raise ValueError(f"mode {cfg.mode!r} needs a draft worker")
+        self.cfg, self.target, self.drafter = cfg, target, drafter
+        self.stats = LoopStats()
+        self._eos_token_ids = target.runner.eos_token_ids
+        self._running: dict[str, Request] = {}
+        self._batches = BatchManager()
+
+    def run(self, requests: list[Request]) -> LoopStats:
+        """Generate every request (in place) and return the run's stats."""
+        waiting = list(requests)
+        start = time.perf_counter()
+        while waiting or self._running:
+            admitted = self._admit(waiting)
+            if self.cfg.mode == "psd":
+                self._batches.assign([r.request_id for r in admitted if not r.finish_reason])
+                self._psd_step()
+            elif self._running:
+                self._sd_step(list(self._running.values()),
+                              0 if self.cfg.mode == "ar" else self.cfg.num_speculative_tokens)
+        self.stats.elapsed_s += time.perf_counter() - start
+        return self.stats
+
+    # ---- admission and finishing -----------------------------------------------------------
+    def _admit(self, waiting: list[Request]) -> list[Request]:
+        admitted = []
+        while waiting and len(self._running) < self.cfg.max_num_seqs:
+            request = waiting.pop(0)
+            self._running[request.request_id] = request
+            first = self.target.add_request(request.request_id, request.prompt_token_ids,
+                                            request.params)
+            if self.drafter is not None:
+                self.drafter.add_request(request.request_id, request.prompt_token_ids,
+                                         request.params)
+                request.num_draft_synced = len(request.prompt_token_ids)
+            self._emit(request, first)
+            admitted.append(request)
+        return admitted
+
+    def _emit(self, request: Request, step: StepOutput) -> None:
+        emitted, reason = apply_finish(step.token_ids, len(request.output_token_ids),
+                                       request.params, self._eos_token_ids)
+        request.output_token_ids += emitted
+        self.stats.num_output_tokens += len(emitted)
+        if reason is not None:
+            request.finish_reason = str(reason)
+            self._finish(request)
+
+    def _finish(self, request: Request) -> None:
+        del self._running[request.request_id]
+        self.target.release(request.request_id)
+        if self.drafter is not None:
+            self.drafter.release(request.request_id)
+        self._batches.recycle(request.request_id)
+
+    # ---- steps -----------------------------------------------------------------------------
+    def _draft(self, requests: list[Request], k: int) -> None:
+        """Draft k tokens for the speculative ones among ``requests``; store in ``drafts``."""
+        spec = [r for r in requests if r.is_speculative]
+        for request in spec:
+            if not self.drafter.can_draft(len(request.committed), k):
+                request.is_speculative = False    # the draft KV is full: verify with k = 0
+        spec = [r for r in spec if r.is_speculative]
+        if not spec:
+            return
+        committed = [(r.num_draft_synced, r.committed[r.num_draft_synced:]) for r in spec]
+        draft_ids, draft_probs = self.drafter.draft([r.request_id for r in spec], committed, k)
+        for row, request in enumerate(spec):
+            request.num_draft_synced = len(request.committed)
+            request.drafts = (draft_ids[row], None if draft_probs is None else draft_probs[row])
+
+    def _verify(self, requests: list[Request]) -> None:
+        """Verify every request with its stored drafts (k = 0 for those without)."""
+        with_drafts = [r for r in requests if r.drafts is not None]
+        without = [r for r in requests if r.drafts is None]
+        if with_drafts:
+            self._verify_group(with_drafts, [r.drafts[0] for r in with_drafts],
+                               _stack_probs([r.drafts for r in with_drafts],
+                                            self.target.runner.vocab_size))
+        if without:
+            self._verify_group(without, [[] for _ in without], None)
+
+    def _verify_group(self, requests: list[Request], draft_ids: list[list[int]],
+                      draft_probs: torch.Tensor | None) -> None:
+        outputs = self.target.verify([r.request_id for r in requests], draft_ids, draft_probs)
+        for request, ids, out in zip(requests, draft_ids, outputs):
+            request.drafts = None
+            self.stats.num_verify_steps += 1
+            if ids:
+                self.stats.num_drafts += 1
+                self.stats.num_draft_tokens += len(ids)
+                self.stats.num_accepted_tokens += out.num_accepted
+            self._emit(request, out)
+
+    def _sd_step(self, requests: list[Request], k: int) -> None:
+        if k > 0:
+            self._draft(requests, k)
+        self._verify(requests)
+
+    def _psd_step(self) -> None:
+        """One MineDraft step (paper §5.1) run in turn: draft ``skip_batch``, verify the other."""
+        k = self.cfg.num_speculative_tokens
+        draft_batch = [self._running[r] for r in self._batches.draft_batch()]
+        verify_batch = [self._running[r] for r in self._batches.verify_batch()]
+        self._draft([r for r in verify_batch if r.drafts is None], k)   # not drafted yet
+        self._draft(draft_batch, k)
+        self._verify(verify_batch)
+        if draft_batch:
+            self._batches.flip()
+        else:                                    # one batch empty: standard SD on the other
+            self._batches.mark_started()
+
+
+def _stack_probs(drafts: list[tuple[list[int], torch.Tensor | None]],
+                 vocab_size: int) -> torch.Tensor | None:
+    """[b, k, V] draft probs; rows drafted greedily (no q) become one-hot on their tokens."""
+    if all(q is None for _, q in drafts):
+        return None
+    rows = [q if q is not None else
+            torch.nn.functional.one_hot(torch.tensor(ids), vocab_size).float()
+            for ids, q in drafts]
+    return torch.stack(rows)
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+DEFAULT_DRAFT_DIR = "drafts/smollm2-135m-instruct"
+DEFAULT_DRAFT_LAYERS = (0, 1, 2, 3)
+
+
+def _read_prompts(path: str, limit: int | None) -> list[str]:
+    """First turn of each line of a Spec-Bench / MT-bench style jsonl file."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [row["turns"][0] for row in rows[:limit]]
+
+
+def _build_workers(args) -> tuple[TargetWorker, DraftWorker | None, str]:
+    """Target worker, draft worker (None for ``ar``) and the target's tokenizer dir."""
+    import os
+
+    from specdec.config import CacheConfig, ModelConfig
+    from specdec.draft_format import build_draft_from_target
+    from specdec.loader import resolve_model_dir
+    from specdec.runner import ModelRunner
+
+    target_cfg = ModelConfig(model=args.target, dtype=args.dtype)
+    cache_cfg = CacheConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+    target_runner = ModelRunner(target_cfg, cache_cfg)
+    target = TargetWorker(target_runner, seed=args.seed)
+    if args.mode == "ar":
+        return target, None, resolve_model_dir(target_cfg)
+    draft_path = args.draft or (DEFAULT_DRAFT_DIR if os.path.isdir(DEFAULT_DRAFT_DIR) else None)
+    if draft_path is not None:
+        draft_runner = ModelRunner(ModelConfig(model=draft_path, dtype=args.dtype), cache_cfg)
+    else:  # untrained draft: the first target layers, sharing its embeddings
+        model = build_draft_from_target(target_runner.model, list(DEFAULT_DRAFT_LAYERS))
+        draft_runner = ModelRunner(ModelConfig(dtype=args.dtype), cache_cfg, model=model)
+    drafter = DraftWorker(draft_runner, target_vocab_size=target_runner.vocab_size, seed=args.seed)
+    return target, drafter, resolve_model_dir(target_cfg)
+
+
+def _parse_args(argv: list[str] | None):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m specdec.generate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=MODES, default="sd")
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--prompts", default="/work/shared/data/spec_bench/question.jsonl")
+    parser.add_argument("--limit", type=int, default=16, help="number of prompts")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--seed", type=int, default=None, help="per-request seed base")
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--draft", default=None, help=f"draft dir (default {DEFAULT_DRAFT_DIR} "
+                        f"if present, else target layers {DEFAULT_DRAFT_LAYERS})")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--quiet", action="store_true", help="print only the summary")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; prints each generated text, output tokens/s and mean acceptance length."""
+    from transformers import AutoTokenizer
+
+    args = _parse_args(argv)
+    cfg = LoopConfig(args.mode, args.k, args.max_num_seqs)
+    target, drafter, tokenizer_dir = _build_workers(args)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    requests = []
+    for i, text in enumerate(_read_prompts(args.prompts, args.limit)):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_tokens=args.max_tokens,
+                                seed=None if args.seed is None else args.seed + i)
+        requests.append(Request(f"req-{i}", list(ids), params))
+    stats = ReferenceLoop(cfg, target, drafter).run(requests)
+    if not args.quiet:
+        for request in requests:
+            text = tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            print(f"=== {request.request_id} [{request.finish_reason}] ===\n{text}\n")
+    print(f"mode={args.mode} k={args.k} requests={len(requests)} "
+          f"output_tokens={stats.num_output_tokens} elapsed_s={stats.elapsed_s:.2f} "
+          f"output_tokens_per_s={stats.output_tokens_per_s:.2f} "
+          f"mean_acceptance_length={stats.mean_acceptance_length:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
