@@ -154,6 +154,8 @@ class Scheduler:
     async def _admit(self) -> None:
         # slots of finished/aborted requests count until their release RPC has run
         num_free = self.max_num_running - len(self.running) - len(self._to_release)
+        if self.cfg.mode == Mode.PSD and self.batches.is_started:  # newcomers join skip_batch: keep it <= m
+            num_free = min(num_free, self.cfg.max_num_seqs - len(self.batches.draft_batch()))
         new = [self.waiting.popitem(last=False)[1] for _ in range(min(num_free, len(self.waiting)))]
         if not new:
             return

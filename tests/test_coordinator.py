@@ -218,6 +218,7 @@ class Harness:
             batch0, batch1 = set(batches.batch(0)), set(batches.batch(1))
             assert not batch0 & batch1 and batch0 | batch1 == set(scheduler.running)
             assert batches.balance == len(batch1) - len(batch0)
+            assert max(len(batch0), len(batch1)) <= scheduler.cfg.max_num_seqs
 
     async def generate(self, request_id: str, prompt: list[int], **sampling) -> tuple[list[int], str, object]:
         call = self.stub.Generate(coordinator_pb2.CoordinatorGenerateRequest(
