@@ -13,8 +13,8 @@ A step (nano-vllm style: schedule, run, postprocess):
   flipped. A verify batch without drafts (first step, one batch empty, after a drafter outage)
   is drafted first, i.e. that part falls back to ``sd``.
 If the drafter fails, every request continues in ``ar`` on the verifier and the drafter is probed
-every ``drafter_retry_s``; on recovery the requests are re-added to it (prefill of the committed
-sequence) and speculation resumes.
+every ``drafter_retry_s``; on recovery the requests are re-added to it and speculation resumes
+(``coordinator.fallback``).
 """
 
 from __future__ import annotations
@@ -31,13 +31,17 @@ from minedraft.v1 import engine_pb2
 from coordinator.batch_manager import BatchManager
 from coordinator.config import CoordinatorConfig, DataPlaneKind, Mode
 from coordinator.engines import EngineClients
+from coordinator.fallback import DrafterLink
 from coordinator.finish import FinishReason, apply_finish
 from coordinator.request import RequestState, RequestStatus
-from coordinator.stats import StepStats, StepTotals
+from coordinator.stats import StepStats, StepTotals, emit_step_span
 
 logger = logging.getLogger(__name__)
 
 _DATA_PLANE = {DataPlaneKind.INLINE: engine_pb2.DATA_PLANE_INLINE, DataPlaneKind.DIST: engine_pb2.DATA_PLANE_DIST}
+
+
+_ERROR_BACKOFF_S = 0.1  # pause after an unexpected error so a persistent one cannot spin the loop
 
 
 class QueueFullError(Exception):
@@ -67,13 +71,11 @@ class Scheduler:
         self.waiting: collections.OrderedDict[str, RequestState] = collections.OrderedDict()
         self.running: dict[str, RequestState] = {}
         self.batches = BatchManager()
-        self.is_drafter_available = cfg.uses_drafter
+        self.drafter_link = DrafterLink(cfg.uses_drafter, cfg.drafter_retry_s)
         self.totals = StepTotals()
         self.step_id = 0
         self._to_release: set[str] = set()
-        self._drafter_orphans: set[str] = set()
         self._num_draft_calls = 0
-        self._next_drafter_probe = 0.0
         self._wakeup = asyncio.Event()
         self._data_plane = _DATA_PLANE[cfg.data_plane]
 
@@ -105,6 +107,10 @@ class Scheduler:
         """The mode the loop runs now (``ar`` while the drafter is unavailable)."""
         return self.cfg.mode if self.is_drafter_available else Mode.AR
 
+    @property
+    def is_drafter_available(self) -> bool:
+        return self.drafter_link.is_available
+
     async def run(self) -> None:
         """Run the step loop until cancelled. A verifier failure fails the running requests
         (UNAVAILABLE etc.); the loop keeps serving the next ones."""
@@ -117,6 +123,7 @@ class Scheduler:
             except Exception as exc:  # a bug or malformed response must not stop other requests
                 logger.exception("step %d failed", self.step_id)
                 self._fail_running(grpc.StatusCode.INTERNAL, f"step failed: {exc}")
+                await asyncio.sleep(_ERROR_BACKOFF_S)
 
     async def wait_idle(self, poll_s: float = 0.05) -> None:
         """Return once no request is waiting or running (used to drain on shutdown)."""
@@ -136,11 +143,10 @@ class Scheduler:
     async def _sync(self) -> None:
         if self._to_release:
             ids, self._to_release = sorted(self._to_release), set()
-            if self.cfg.uses_drafter and not self.is_drafter_available:
-                self._drafter_orphans.update(ids)  # released there once it is back
+            self.drafter_link.note_released(ids)
             await self._release(ids)
-        if self.cfg.uses_drafter and not self.is_drafter_available and time.monotonic() >= self._next_drafter_probe:
-            await self._probe_drafter()
+        if self.drafter_link.is_due:
+            await self.drafter_link.probe(self.engines, list(self.running.values()))
 
     async def _release(self, ids: list[str]) -> None:
         stubs = [self.engines.verifier] + ([self.engines.drafter] if self.is_drafter_available else [])
@@ -292,6 +298,7 @@ class Scheduler:
             idle_ms=max(wall_ms - times.verify_ms, 0.0), wall_ms=wall_ms, is_parallel=is_parallel,
         )
         self.totals.record(stats)
+        emit_step_span(stats)
         return stats
 
     # ------------------------------------------------------------------ retire, failures
@@ -311,33 +318,4 @@ class Scheduler:
             self._retire(request, None, error=(code, message))
 
     def _lose_drafter(self, exc: BaseException) -> None:
-        if self.is_drafter_available:
-            logger.warning("drafter unavailable (%s); continuing in ar on the verifier", exc)
-        self.is_drafter_available = False
-        self._next_drafter_probe = time.monotonic() + self.cfg.drafter_retry_s
-        for request in self.running.values():
-            request.drafts = None
-            request.num_drafter_tokens = 0
-
-    async def _probe_drafter(self) -> None:
-        """Re-add every running request to the drafter (prefill of its committed sequence but the
-        last token) and resume speculation; on failure try again after ``drafter_retry_s``."""
-        requests = list(self.running.values())
-        ids = sorted({r.request_id for r in requests} | self._drafter_orphans)
-        seqs = [engine_pb2.SeqInit(request_id=r.request_id, prompt_token_ids=r.committed[:-1], sampling=r.sampling)
-                for r in requests]
-        try:
-            await self.engines.drafter.GetInfo(engine_pb2.EngineInfoRequest(), timeout=self.engines.timeout)
-            if ids:
-                await self.engines.release(self.engines.drafter, ids)
-            if seqs:
-                await self.engines.add_requests(self.engines.drafter, seqs)
-        except grpc.aio.AioRpcError as exc:
-            self._next_drafter_probe = time.monotonic() + self.cfg.drafter_retry_s
-            logger.info("drafter still unavailable: %s", exc.code())
-            return
-        for request in requests:
-            request.num_drafter_tokens = len(request.committed) - 1
-        self._drafter_orphans.clear()
-        self.is_drafter_available = True
-        logger.info("drafter is back; %s resumes for %d running requests", self.cfg.mode, len(requests))
+        self.drafter_link.lose(exc, self.running.values())

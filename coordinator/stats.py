@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
+
+from opentelemetry import trace
 
 MAX_RECENT_STEPS = 1024
+_tracer = trace.get_tracer("minedraft.coordinator")
 
 
 @dataclass(frozen=True)
@@ -84,3 +88,12 @@ class StepTotals:
     def parallel_step_ratio(self) -> float:
         """Share of steps where both batches were busy (0.0 before any step)."""
         return self.num_parallel_steps / self.num_steps if self.num_steps else 0.0
+
+
+def emit_step_span(stats: StepStats) -> None:
+    """Record a finished step as an OpenTelemetry span "coordinator.step" (DESIGN.md §6) whose
+    attributes are the ``StepStats`` fields; a no-op unless a tracer provider is configured."""
+    end_ns = time.time_ns()
+    span = _tracer.start_span("coordinator.step", start_time=end_ns - int(stats.wall_ms * 1e6),
+                              attributes={f"minedraft.{key}": value for key, value in asdict(stats).items()})
+    span.end(end_time=end_ns)

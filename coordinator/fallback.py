@@ -1,0 +1,77 @@
+"""Drafter availability: ``ar`` fallback when the drafter fails, periodic probe and re-sync.
+
+While the drafter is unavailable every request continues on the verifier alone (a verify step
+with k = 0 is plain decoding, so outputs stay exactly the target model's). Every
+``retry_s`` seconds :meth:`DrafterLink.probe` asks the drafter for ``GetInfo``; when it answers,
+the running requests are released there (it may still hold stale state) and re-added with their
+committed sequence minus the last token as the prompt, so the next Draft call feeds that token
+(``DraftSeq.start_position = len(committed) - 1``), exactly like a freshly admitted request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import grpc
+
+from minedraft.v1 import engine_pb2
+
+from coordinator.engines import EngineClients
+from coordinator.request import RequestState
+
+logger = logging.getLogger(__name__)
+
+
+class DrafterLink:
+    """Whether the drafter is usable, when to probe it next, and what it must forget on return."""
+
+    def __init__(self, is_used: bool, retry_s: float) -> None:
+        self.is_used = is_used
+        self.is_available = is_used
+        self.retry_s = retry_s
+        self._next_probe = 0.0
+        self._orphans: set[str] = set()  # released while it was away: release there on return
+
+    @property
+    def is_due(self) -> bool:
+        """The drafter is used, unavailable, and the next probe time has come."""
+        return self.is_used and not self.is_available and time.monotonic() >= self._next_probe
+
+    def note_released(self, request_ids: Iterable[str]) -> None:
+        """Remember ids released while the drafter is away (released there once it is back)."""
+        if self.is_used and not self.is_available:
+            self._orphans.update(request_ids)
+
+    def lose(self, exc: BaseException, running: Iterable[RequestState]) -> None:
+        """Switch to ``ar``: drop every pending draft and what the drafter was told."""
+        if self.is_available:
+            logger.warning("drafter unavailable (%s); continuing in ar on the verifier", exc)
+        self.is_available = False
+        self._next_probe = time.monotonic() + self.retry_s
+        for request in running:
+            request.drafts = None
+            request.num_drafter_tokens = 0
+
+    async def probe(self, engines: EngineClients, running: list[RequestState]) -> bool:
+        """Try to bring the drafter back (see module docstring); returns True on success."""
+        ids = sorted({r.request_id for r in running} | self._orphans)
+        seqs = [engine_pb2.SeqInit(request_id=r.request_id, prompt_token_ids=r.committed[:-1], sampling=r.sampling)
+                for r in running]
+        try:
+            await engines.drafter.GetInfo(engine_pb2.EngineInfoRequest(), timeout=engines.timeout)
+            if ids:
+                await engines.release(engines.drafter, ids)
+            if seqs:
+                await engines.add_requests(engines.drafter, seqs)
+        except grpc.aio.AioRpcError as exc:
+            self._next_probe = time.monotonic() + self.retry_s
+            logger.info("drafter still unavailable: %s", exc.code())
+            return False
+        for request in running:
+            request.num_drafter_tokens = len(request.committed) - 1
+        self._orphans.clear()
+        self.is_available = True
+        logger.info("drafter is back; speculation resumes for %d running requests", len(running))
+        return True
