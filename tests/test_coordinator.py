@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import signal
+import socket
 import struct
+import sys
 
 import grpc
 import pytest
 
 from coordinator.config import CoordinatorConfig
-from coordinator.engines import decode_token_ids, encode_token_ids
+from coordinator.engines import decode_token_ids, encode_token_ids, join_prob_rows, split_prob_rows
 from coordinator.finish import FinishParams, apply_finish
+from coordinator.request import PendingDrafts
 from coordinator.server import SERVICE_NAME, CoordinatorServicer, start
-from minedraft.serving import ServerOptions, aio_channel, build_server
+from minedraft.serving import ServerOptions, aio_channel, build_server, wait_for_serving
 from minedraft.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, engine_pb2, engine_pb2_grpc
 
 VOCAB, EOS, NUM_SLOTS = 40, 2, 32
@@ -53,6 +57,7 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
     def __init__(self, delay_s: float) -> None:
         self.committed: dict[str, list[int]] = {}
         self.delay_s, self.drafter, self.num_prob_rows, self.max_slots_used = delay_s, None, 0, 0
+        self.num_dist_fetches = 0
 
     async def AddRequests(self, request, context):
         outputs = []
@@ -68,11 +73,15 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
         rows = decode_token_ids(request.draft_token_ids) if request.draft_token_ids.shape else [[]] * len(request.request_ids)
         if request.has_draft_probs and request.data_plane == engine_pb2.DATA_PLANE_INLINE:
             self._check_probs(request)
+        elif request.has_draft_probs:  # dist: probs come from the drafter, never through the coordinator
+            assert request.data_plane == engine_pb2.DATA_PLANE_DIST and not request.HasField("draft_probs")
+            self.num_dist_fetches += 1
         outputs = []
         for request_id, drafts in zip(request.request_ids, rows):
             seq = self.committed[request_id]
             if drafts:  # exactly the drafts last made for this request at its current length
                 assert self.drafter.last_drafts[request_id] == (len(seq), drafts)
+                assert self.drafter.last_step_ids[request_id] == request.draft_step_id
             out: list[int] = []
             for draft in drafts:
                 out.append(toy_next(seq + out))
@@ -108,6 +117,8 @@ class FakeDrafter(engine_pb2_grpc.DrafterServicer):
         self.known: dict[str, list[int]] = {}
         self.sampling: dict[str, common_pb2.SamplingParams] = {}
         self.last_drafts: dict[str, tuple[int, list[int]]] = {}
+        self.last_step_ids: dict[str, int] = {}
+        self.step_ids_seen: set[int] = set()
         self.is_failing, self.num_draft_calls = False, 0
         verifier.drafter = self
 
@@ -127,6 +138,8 @@ class FakeDrafter(engine_pb2_grpc.DrafterServicer):
         await self._check_up(context)
         await asyncio.sleep(self.delay_s)
         self.num_draft_calls += 1
+        assert request.step_id not in self.step_ids_seen, "drafter step ids must be unique"
+        self.step_ids_seen.add(request.step_id)
         k, rows = request.num_speculative_tokens, []
         for seq in request.seqs:
             known = self.known[seq.request_id]
@@ -139,9 +152,13 @@ class FakeDrafter(engine_pb2_grpc.DrafterServicer):
                 is_right = _unit(seq.request_id, len(known), i) < self.accuracy
                 drafts.append(true if is_right else (true + 1) % VOCAB)
             self.last_drafts[seq.request_id] = (len(known), drafts)
+            self.last_step_ids[seq.request_id] = request.step_id
             rows.append(drafts)
         response = engine_pb2.DraftResponse(step_id=request.step_id, draft_token_ids=encode_token_ids(rows))
-        if any(self.sampling[s.request_id].temperature > 0 for s in request.seqs):
+        is_sampled = any(self.sampling[s.request_id].temperature > 0 for s in request.seqs)
+        if is_sampled and request.data_plane == engine_pb2.DATA_PLANE_DIST:
+            response.has_draft_probs = True  # kept drafter-side for the verifier to fetch
+        elif is_sampled:
             values = [_row_value(s.request_id) for s in request.seqs for _ in range(k * VOCAB)]
             response.draft_probs.CopyFrom(common_pb2.Tensor(shape=[len(rows), k, VOCAB], dtype="float32",
                                                             data=struct.pack(f"<{len(values)}f", *values)))
@@ -332,14 +349,18 @@ def test_drafter_outage_falls_back_to_ar_and_recovers() -> None:
     asyncio.run(main())
 
 
-def test_sampled_draft_probs_follow_their_requests_inline() -> None:
+@pytest.mark.parametrize("data_plane", ["inline", "dist"])
+def test_sampled_draft_probs_follow_their_requests(data_plane: str) -> None:
     async def main():
-        async with Harness(mode="psd", max_num_seqs=2) as h:
+        async with Harness(mode="psd", max_num_seqs=2, data_plane=data_plane) as h:
             work = _workload(6)
             results = await asyncio.gather(*(h.generate(rid, p, temperature=0.8, **s) for rid, p, s in work))
             for (rid, prompt, sampling), (tokens, _, _) in zip(work, results):
                 assert tokens == _expected(prompt, sampling)
-            assert h.verifier.num_prob_rows > 0
+            if data_plane == "inline":
+                assert h.verifier.num_prob_rows > 0 and h.verifier.num_dist_fetches == 0
+            else:
+                assert h.verifier.num_dist_fetches > 0 and h.verifier.num_prob_rows == 0
 
     asyncio.run(main())
 
@@ -356,5 +377,77 @@ def test_invalid_and_excess_requests_get_errors() -> None:
             codes = [r[2].code for r in results if r[1] == "error"]
             assert codes and set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}
             assert sum(r[1] == "length" for r in results) >= 2
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"mode": "fast"}, {"num_speculative_tokens": 0}, {"max_num_seqs": 0}, {"drafter": "nohost"},
+     {"port": 70000}, {"data_plane": "nccl"}, {"max_queue_len": 0}, {"rpc_timeout_s": 0}, {"grace_s": -1}],
+)
+def test_config_validation_names_the_field(bad: dict) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        CoordinatorConfig(**bad)
+
+
+def test_config_running_cap() -> None:
+    assert CoordinatorConfig(mode="psd", max_num_seqs=4).max_num_running == 8
+    assert CoordinatorConfig(mode="sd", max_num_seqs=4).max_num_running == 4
+    assert not CoordinatorConfig(mode="ar").uses_drafter
+
+
+def test_tensor_helpers_round_trip_and_reject_bad_shapes() -> None:
+    rows = [[1, 2, 3], [40000, 0, 7]]
+    assert decode_token_ids(encode_token_ids(rows)) == rows
+    with pytest.raises(ValueError, match="rows"):
+        encode_token_ids([[1], [1, 2]])
+    with pytest.raises(ValueError, match="tensor"):
+        decode_token_ids(common_pb2.Tensor(shape=[2, 2], dtype="int32", data=b"\0" * 12))
+    probs = common_pb2.Tensor(shape=[2, 1, 3], dtype="float32", data=struct.pack("<6f", *range(6)))
+    first, second = split_prob_rows(probs, 2)
+    assert struct.unpack("<3f", second) == (3.0, 4.0, 5.0)
+    drafts = [PendingDrafts(1, [5], second, "float32", 3, True), PendingDrafts(1, [6], first, "float32", 3, True)]
+    joined = join_prob_rows(drafts)
+    assert list(joined.shape) == [2, 1, 3] and struct.unpack("<6f", joined.data) == (3, 4, 5, 0, 1, 2)
+    with pytest.raises(ValueError, match="tensor"):
+        split_prob_rows(probs, 3)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_main_serves_health_after_engines_and_drains_on_sigterm() -> None:
+    """``python -m coordinator`` against the fake engines: health SERVING, a request, SIGTERM exit 0."""
+
+    async def main():
+        verifier = FakeVerifier(0.002)
+        drafter = FakeDrafter(verifier, 0.7, 0.002)
+        servers = [await _serve(engine_pb2_grpc.add_VerifierServicer_to_server, verifier, "minedraft.v1.Verifier"),
+                   await _serve(engine_pb2_grpc.add_DrafterServicer_to_server, drafter, "minedraft.v1.Drafter")]
+        port = _free_port()
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "coordinator", "--mode", "psd", "--k", "2", "--max-num-seqs", "2",
+            "--verifier", servers[0][1], "--drafter", servers[1][1], "--port", str(port), "--engine-wait", "30")
+        try:
+            await wait_for_serving(f"127.0.0.1:{port}", timeout_s=60, service=SERVICE_NAME)
+            async with aio_channel(f"127.0.0.1:{port}") as channel:
+                stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+                call = stub.Generate(coordinator_pb2.CoordinatorGenerateRequest(
+                    request_id="one", prompt_token_ids=[3, 4], sampling=common_pb2.SamplingParams(max_tokens=9)))
+                tokens = [t async for r in call if r.WhichOneof("response") == "chunk" for t in r.chunk.token_ids]
+                assert tokens == _expected([3, 4], {"max_tokens": 9})
+                status = await stub.GetStatus(coordinator_pb2.StatusRequest())
+                assert status.mode == "psd" and status.num_speculative_tokens == 2 and status.max_num_running == 4
+            process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(process.wait(), timeout=30) == 0
+        finally:
+            if process.returncode is None:
+                process.kill()
+            for server, _ in servers:
+                await server.stop(None)
 
     asyncio.run(main())
