@@ -110,7 +110,9 @@ class ModelRunner:
         self.cache.truncate(slot, length)
 
     # ---- forward --------------------------------------------------------------------------
-    def forward(self, slots: list[int], token_ids: list[list[int]]) -> torch.Tensor:
+    def forward(
+        self, slots: list[int], token_ids: list[list[int]], logits_dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """Append ``token_ids[i]`` to slot ``slots[i]`` and return the logits of every new token.
 
         Ragged rows are right-padded to ``q_max = max(len(t) for t in token_ids)``; the padding
@@ -119,9 +121,11 @@ class ModelRunner:
         Args:
             slots: ``b`` distinct allocated slots.
             token_ids: ``b`` non-empty lists of token ids in ``[0, vocab_size)``.
+            logits_dtype: dtype of the returned logits (float32 by contract; tests of a
+                float64 model pass ``torch.float64`` to see its full precision).
 
         Returns:
-            logits ``[b, q_max, vocab_size]`` float32; row i's entries past ``len(token_ids[i])``
+            logits ``[b, q_max, vocab_size]`` in ``logits_dtype``; row i's entries past ``len(token_ids[i])``
             are junk.
 
         Raises:
@@ -142,14 +146,16 @@ class ModelRunner:
                 **{SLOT_METADATA_KWARG: meta},
             )
         self.cache.commit(slots, num_new)
-        return out.logits.float()
+        return out.logits.to(logits_dtype)
 
-    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+    def prefill(
+        self, slots: list[int], prompts: list[list[int]], logits_dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """Feed whole prompts in one forward; return each prompt's last-token logits ``[b, V]``.
 
-        Same checks and errors as ``forward``.
+        Same arguments, checks and errors as ``forward``.
         """
-        logits = self.forward(slots, prompts)
+        logits = self.forward(slots, prompts, logits_dtype)
         last = torch.tensor([len(p) - 1 for p in prompts], device=logits.device)
         return logits[torch.arange(len(prompts), device=logits.device), last]
 

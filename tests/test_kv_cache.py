@@ -33,7 +33,7 @@ def random_tokens(num_tokens: int, seed: int, vocab_size: int = 128) -> list[int
 def full_logits(reference, token_ids: list[int]) -> torch.Tensor:
     """Cache-free logits [len, V] of the whole sequence."""
     with torch.no_grad():
-        return reference(torch.tensor([token_ids])).logits[0].float()
+        return reference(torch.tensor([token_ids])).logits[0]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -43,14 +43,14 @@ def test_prefill_then_single_token_decode_matches_full_forward(tiny_llama, dtype
     seqs = [random_tokens(20, seed=1), random_tokens(20, seed=2)]
     prompt_lens = [7, 3]
     slots = [runner.allocate_slot(), runner.allocate_slot()]
-    last = runner.prefill(slots, [s[:n] for s, n in zip(seqs, prompt_lens)])
+    last = runner.prefill(slots, [s[:n] for s, n in zip(seqs, prompt_lens)], DTYPES[dtype])
     refs = [full_logits(reference, s) for s in seqs]
     for i, n in enumerate(prompt_lens):
         assert (last[i] - refs[i][n - 1]).abs().max() < TOLERANCE[dtype]
     for step in range(10):
         positions = [n + step for n in prompt_lens]
-        logits = runner.forward(slots, [[s[p]] for s, p in zip(seqs, positions)])
-        assert logits.shape == (2, 1, runner.vocab_size) and logits.dtype == torch.float32
+        logits = runner.forward(slots, [[s[p]] for s, p in zip(seqs, positions)], DTYPES[dtype])
+        assert logits.shape == (2, 1, runner.vocab_size) and logits.dtype == DTYPES[dtype]
         for i, p in enumerate(positions):
             assert (logits[i, 0] - refs[i][p]).abs().max() < TOLERANCE[dtype]
     assert [runner.seq_len(s) for s in slots] == [n + 10 for n in prompt_lens]
@@ -67,7 +67,7 @@ def test_ragged_multi_token_steps_match_full_forward(tiny_llama, dtype):
     refs = [full_logits(reference, s) for s in seqs]
     for q_lens in ([4, 4, 4], [1, 4, 3], [4, 2, 1]):  # k + 1 = 4 with ragged rows
         rows = [s[c : c + q] for s, c, q in zip(seqs, cursor, q_lens)]
-        logits = runner.forward(slots, rows)
+        logits = runner.forward(slots, rows, DTYPES[dtype])
         assert logits.shape == (3, max(q_lens), runner.vocab_size)
         for i, (c, q) in enumerate(zip(cursor, q_lens)):
             assert (logits[i, :q] - refs[i][c : c + q]).abs().max() < TOLERANCE[dtype]
@@ -85,7 +85,7 @@ def test_rollback_then_reforward_equals_never_drafted(tiny_llama, dtype):
     runner.forward([slot], [drafts])  # verify step: keep only drafts[0], reject the rest
     runner.truncate(slot, len(prompt) + 1)
     assert runner.seq_len(slot) == len(prompt) + 1
-    logits = runner.forward([slot], [fixes])
+    logits = runner.forward([slot], [fixes], DTYPES[dtype])
     expected = full_logits(reference, prompt + drafts[:1] + fixes)[-len(fixes) :]
     assert (logits[0] - expected).abs().max() < TOLERANCE[dtype]
 
@@ -160,6 +160,10 @@ def test_runner_attributes(tiny_llama):
     assert runner.weight_bytes == sum(p.numel() * 4 for p in runner.model.parameters())
     # 2 (k, v) * layers * slots * kv heads * positions * head_dim * 4 bytes
     assert runner.kv_cache_bytes == 2 * 2 * MAX_NUM_SEQS * 2 * MAX_MODEL_LEN * 16 * 4
+    runner64 = make_runner(tiny_llama, "float64")
+    slot = runner64.allocate_slot()
+    assert runner64.forward([slot], [[5, 6]]).dtype == torch.float32  # the contract's default
+    assert runner64.prefill([runner64.allocate_slot()], [[5]]).shape == (1, 128)
 
 
 def test_slot_attention_uses_a_config_copy_and_falls_back_without_cache(tiny_llama):
@@ -199,3 +203,35 @@ def test_configs_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         ModelConfig().dtype = "float64"
     assert ModelConfig(dtype="float64").torch_dtype == torch.float64
+
+
+def test_random_forward_and_rollback_sequences_match_full_forward(tiny_llama):
+    """Property: any mix of ragged forwards and rollbacks equals a cache-free forward (float64)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    runner = make_runner(tiny_llama, "float64", max_num_seqs=3, max_model_len=48)
+    reference = tiny_llama(dtype=torch.float64)
+    slots = [runner.allocate_slot() for _ in range(3)]
+    step = st.tuples(
+        st.lists(st.lists(st.integers(3, 127), min_size=1, max_size=5), min_size=3, max_size=3),
+        st.lists(st.integers(0, 4), min_size=3, max_size=3),  # tokens to roll back afterwards
+    )
+
+    @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(step, min_size=1, max_size=5))
+    def check(steps):
+        for slot in slots:
+            runner.truncate(slot, 0)
+        committed = [[] for _ in slots]
+        for rows, rollbacks in steps:
+            logits = runner.forward(slots, rows, torch.float64)
+            for i, row in enumerate(rows):
+                committed[i] += row
+                expected = full_logits(reference, committed[i])[-len(row) :]
+                assert (logits[i, : len(row)] - expected).abs().max() < TOLERANCE["float64"]
+                keep = max(1, len(committed[i]) - rollbacks[i])
+                runner.truncate(slots[i], keep)
+                committed[i] = committed[i][:keep]
+
+    check()
