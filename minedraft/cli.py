@@ -1,0 +1,147 @@
+"""The ``minedraft`` command line: ``up``, ``generate``, ``prompts``, ``demo``, ``distill``.
+
+Only ``distill`` imports torch (lazily, through ``specdec.distill``).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from minedraft.stack import DATA_PLANES, DEFAULT_TARGET, MODES, StackConfig
+
+DEFAULT_GATEWAY = "127.0.0.1:50051"
+DEFAULT_PROMPTS = "../shared/data/spec_bench/question.jsonl"
+
+
+def add_stack_args(p: argparse.ArgumentParser) -> None:
+    """Flags of ``minedraft up`` (also used by ``minedraft demo``)."""
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens: draft tokens per step")
+    p.add_argument("--max-num-seqs", type=int, default=4, help="m: requests per batch (engines get 2m KV slots)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the verifier (torchrun when > 1)")
+    p.add_argument("--data-plane", choices=DATA_PLANES, default="inline", help="how draft probs travel")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="target model: alias, HF dir or .gguf")
+    p.add_argument("--draft", default="", help="draft dir (default: drafts/smollm2-135m-instruct if present, "
+                                               "else the target's first 4 layers, untrained)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens per request")
+    p.add_argument("--dtype", default="float32", help="engine parameter / KV dtype")
+    p.add_argument("--no-pin", action="store_true", help="do not pin verifier/drafter to cores 0/1")
+    p.add_argument("--host", default="127.0.0.1", help="address every service binds")
+    p.add_argument("--port", type=int, default=50051, help="gateway port (coordinator, drafter, verifier: +1, +2, +3)")
+    p.add_argument("--runs-dir", default="runs", help="logs go to RUNS_DIR/<timestamp>/<service>.log")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds until every service is SERVING")
+
+
+def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
+    """StackConfig from the ``up`` flags (raises ValueError naming a bad field)."""
+    return StackConfig(mode=mode, num_speculative_tokens=args.k, max_num_seqs=args.max_num_seqs,
+                       tensor_parallel_size=args.tp, data_plane=args.data_plane, target=args.target,
+                       draft=args.draft, max_model_len=args.max_model_len, dtype=args.dtype,
+                       is_pinned=not args.no_pin, host=args.host, gateway_port=args.port,
+                       coordinator_port=args.port + 1, drafter_port=args.port + 2, verifier_port=args.port + 3,
+                       runs_dir=args.runs_dir, startup_timeout_s=args.startup_timeout)
+
+
+def add_prompts_args(p: argparse.ArgumentParser) -> None:
+    """Flags of ``minedraft prompts`` (also used by ``minedraft demo``)."""
+    p.add_argument("--limit", type=int, default=32, help="first N prompts of the file")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=int, default=None, help="per-request seed base (seed + index)")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens")
+
+
+def _cmd_up(args) -> int:
+    from minedraft.launcher import run_until_signal
+
+    return run_until_signal(stack_config(args, args.mode))
+
+
+def _cmd_generate(args) -> int:
+    from minedraft.client import MineDraftClient
+
+    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, stop=args.stop)
+    if args.chat:
+        kwargs["messages"] = [{"role": "user", "content": args.prompt}]
+    else:
+        kwargs["prompt"] = args.prompt
+    with MineDraftClient(args.gateway) as client:
+        for delta in client.stream_text(**kwargs):
+            print(delta, end="", flush=True)
+    print()
+    return 0
+
+
+def _cmd_prompts(args) -> int:
+    from minedraft.prompts import PromptsConfig, format_metrics, results_as_records, run_prompts, write_json
+
+    cfg = PromptsConfig(path=args.file, gateway=args.gateway, limit=args.limit, concurrency=args.concurrency,
+                        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                        ignore_eos=args.ignore_eos, wait_s=args.wait)
+    metrics, results = run_prompts(cfg)
+    print(format_metrics(metrics))
+    if args.out:
+        write_json(args.out, metrics)
+    if args.outputs:
+        write_json(args.outputs, results_as_records(results))
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from minedraft.demo import run_demo
+
+    return run_demo(args, [stack_config(args, mode) for mode in args.modes.split(",")])
+
+
+def _cmd_distill(args, rest: list[str]) -> int:
+    from specdec.distill import main as distill_main  # torch: imported only here
+
+    return int(distill_main(rest) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minedraft", description="MineDraft: batch-parallel speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start verifier, drafter, coordinator, gateway; run until Ctrl-C")
+    up.add_argument("--mode", choices=MODES, default="psd", help="ar, sd or psd (MineDraft)")
+    add_stack_args(up)
+    gen = sub.add_parser("generate", help="stream one answer from a running stack")
+    gen.add_argument("prompt")
+    gen.add_argument("--gateway", default=DEFAULT_GATEWAY)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--raw", dest="chat", action="store_false", help="send as raw text, not a chat message")
+    prompts = sub.add_parser("prompts", help="run Spec-Bench prompts through a running stack, print metrics")
+    prompts.add_argument("file", help="Spec-Bench format jsonl")
+    prompts.add_argument("--gateway", default=DEFAULT_GATEWAY)
+    prompts.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the gateway's health")
+    prompts.add_argument("--out", default="", help="write the metrics as JSON here")
+    prompts.add_argument("--outputs", default="", help="write per-request outputs as JSON here")
+    add_prompts_args(prompts)
+    demo = sub.add_parser("demo", help="for each mode: up, prompts, down; then a side-by-side table")
+    demo.add_argument("--modes", default="ar,sd,psd")
+    demo.add_argument("--prompts-file", default=DEFAULT_PROMPTS)
+    demo.add_argument("--out-dir", default="runs/demo", help="results.json and per-mode outputs go here")
+    add_stack_args(demo)
+    add_prompts_args(demo)
+    sub.add_parser("distill", help="train a draft model (specdec.distill; see `minedraft distill --help`)",
+                   add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "distill":
+        return _cmd_distill(None, argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        handler = {"up": _cmd_up, "generate": _cmd_generate, "prompts": _cmd_prompts, "demo": _cmd_demo}[args.command]
+        return handler(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""``minedraft up``: start verifier, drafter, coordinator and gateway as local processes (torch-free).
+
+Start-up: resolve the target model dir once (``python -m specdec.loader resolve``), start every
+service on loopback with its log in ``runs/<timestamp>/<service>.log``, pin verifier and drafter
+to their own core with one torch thread each (DESIGN.md §8: the PSD overlap exists only if each
+engine owns a core), and wait until each reports SERVING on grpc.health.v1. A child that dies
+during start-up has its log tail printed and the launch fails (``StackError``) after every
+other child is stopped. Shutdown (Ctrl-C / SIGTERM / a child dying): SIGTERM to every child's
+process group (gateway first), wait up to ``stop_timeout_s``, SIGKILL the stragglers. Children
+also get PR_SET_PDEATHSIG, so they are killed if the launcher itself is killed: no orphans.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from minedraft.stack import ServiceSpec, StackConfig, build_service_specs
+
+POLL_S = 0.25
+NUM_LOG_TAIL_LINES = 40
+PR_SET_PDEATHSIG = 1
+
+
+class StackError(RuntimeError):
+    """A service failed to start or died."""
+
+
+class StopRequested(BaseException):
+    """SIGINT/SIGTERM reached the launcher (BaseException: not swallowed by ``except Exception``)."""
+
+
+def resolve_model_dir(model: str, timeout_s: float = 900.0) -> str:
+    """Local HF dir of ``model`` (alias, dir or GGUF) via ``python -m specdec.loader resolve``.
+
+    Raises:
+        StackError: the loader failed.
+    """
+    proc = subprocess.run([sys.executable, "-m", "specdec.loader", "resolve", model],
+                          capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise StackError(f"cannot resolve model {model!r}: {proc.stderr.strip()}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def _child_setup(cpus: tuple[int, ...]) -> None:
+    """Runs in the child before exec: die with the launcher, own CPU cores."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+def health_status(address: str, timeout_s: float = 2.0) -> int | None:
+    """The overall grpc.health.v1 status of ``address``, or None when it does not answer."""
+    try:
+        with grpc.insecure_channel(address) as channel:
+            return health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s).status
+    except grpc.RpcError:
+        return None
+
+
+def log_tail(path: str, num_lines: int = NUM_LOG_TAIL_LINES) -> str:
+    """The last ``num_lines`` lines of a log file ("" when missing)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-num_lines:])
+    except OSError:
+        return ""
+
+
+@dataclass
+class RunningService:
+    spec: ServiceSpec
+    process: subprocess.Popen
+    log_path: str
+    is_serving: bool = False
+
+
+@dataclass
+class Stack:
+    """A running set of services; use as a context manager (stops everything on exit)."""
+
+    cfg: StackConfig
+    run_dir: str = ""
+    services: list[RunningService] = field(default_factory=list)
+
+    def __enter__(self) -> "Stack":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self, model_dir: str, log=print) -> None:
+        """Starts every service and waits until all are SERVING.
+
+        Raises:
+            StackError: a service died or was not SERVING within ``cfg.startup_timeout_s``.
+        """
+        self.run_dir = self.run_dir or os.path.join(self.cfg.runs_dir, time.strftime("%Y%m%d-%H%M%S"))
+        os.makedirs(self.run_dir, exist_ok=True)
+        for spec in build_service_specs(self.cfg, model_dir):
+            self.services.append(self._spawn(spec))
+            log(f"started {spec.name} (pid {self.services[-1].process.pid}) -> {self.services[-1].log_path}")
+        self._wait_serving(log)
+
+    def _spawn(self, spec: ServiceSpec) -> RunningService:
+        log_path = os.path.join(self.run_dir, f"{spec.name}.log")
+        env = {**os.environ, **spec.env}
+        with open(log_path, "ab") as log_file:
+            process = subprocess.Popen(spec.argv, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                       stdin=subprocess.DEVNULL, start_new_session=True,
+                                       preexec_fn=lambda: _child_setup(spec.cpus))
+        return RunningService(spec, process, log_path)
+
+    def _wait_serving(self, log) -> None:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while not all(s.is_serving for s in self.services):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                waiting = [s.spec.name for s in self.services if not s.is_serving]
+                raise StackError(f"not SERVING within {self.cfg.startup_timeout_s:.0f} s: {waiting}")
+            for service in self.services:
+                if not service.is_serving and health_status(service.spec.address) == health_pb2.HealthCheckResponse.SERVING:
+                    service.is_serving = True
+                    log(f"{service.spec.name} SERVING on {service.spec.address}")
+            time.sleep(POLL_S)
+
+    def check_alive(self) -> None:
+        """Raises StackError (with the log tail) when a service has exited."""
+        for service in self.services:
+            code = service.process.poll()
+            if code is not None:
+                raise StackError(f"{service.spec.name} exited with code {code}; last lines of "
+                                 f"{service.log_path}:\n{log_tail(service.log_path)}")
+
+    def stop(self) -> None:
+        """SIGTERM every process group (gateway first), wait, SIGKILL stragglers. Idempotent."""
+        for service in reversed(self.services):
+            _signal_group(service.process, signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.stop_timeout_s
+        for service in reversed(self.services):
+            try:
+                service.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+        for service in self.services:
+            _signal_group(service.process, signal.SIGKILL)  # stragglers and grandchildren
+            service.process.wait()
+        self.services.clear()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_until_signal(cfg: StackConfig, log=print) -> int:
+    """``minedraft up``: start the stack, serve until SIGINT/SIGTERM or a child dies, stop it.
+
+    Returns the exit code: 0 after a signal, 1 when a service failed.
+    """
+    def on_signal(signum, frame) -> None:
+        raise StopRequested(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stack = Stack(cfg)
+    try:
+        stack.start(resolve_model_dir(cfg.target), log)
+        log(f"MineDraft up: mode {cfg.mode}, gateway {cfg.host}:{cfg.gateway_port}, logs {stack.run_dir}")
+        while True:
+            stack.check_alive()
+            time.sleep(POLL_S)
+    except StopRequested:
+        log("shutting down")
+        return 0
+    except (RuntimeError, subprocess.SubprocessError) as exc:  # StackError, draft/model resolution
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for sig in previous:  # a second Ctrl-C must not interrupt the clean stop
+            signal.signal(sig, signal.SIG_IGN)
+        stack.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,184 @@
+"""Configuration of a local MineDraft stack and the command line of each service (torch-free).
+
+Used by ``minedraft up`` (``minedraft.launcher``) and the demo. Ports follow
+docs/ARCHITECTURE.md: gateway 50051, coordinator 50052, drafter 50053, verifier 50054,
+torch.distributed data plane 29600.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+MODES = ("ar", "sd", "psd")
+DATA_PLANES = ("inline", "dist")
+DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_DRAFT_DIR = "drafts/smollm2-135m-instruct"  # written by `minedraft distill` (issue 4)
+DEFAULT_TRUNCATED_LAYERS = (0, 1, 2, 3)  # untrained fallback draft: the target's first layers
+VERIFIER_CPU, DRAFTER_CPU = 0, 1
+NO_PINNING: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """Settings of ``minedraft up``.
+
+    Attributes:
+        mode: ``ar`` (target alone), ``sd`` (standard speculative decoding) or ``psd`` (MineDraft).
+        num_speculative_tokens: k, draft tokens per request and step.
+        max_num_seqs: m, requests per batch; the engines get ``2m`` KV slots (PSD keeps 2 batches).
+        tensor_parallel_size: verifier ranks (torchrun when > 1).
+        data_plane: ``inline`` (draft probs in gRPC) or ``dist`` (torch.distributed).
+        target: target model alias or dir; draft: draft dir ("" = default, see ``resolve_draft_dir``).
+        max_model_len: tokens (prompt + output) per request, same in every service.
+        dtype: engine parameter / KV dtype.
+        is_pinned: pin verifier to core 0 and drafter to core 1, one torch thread each.
+        host, *_port: loopback addresses of the services.
+        runs_dir: logs go to ``<runs_dir>/<timestamp>/<service>.log``.
+        startup_timeout_s, stop_timeout_s: seconds to reach SERVING / to exit after SIGTERM.
+    """
+
+    mode: str = "psd"
+    num_speculative_tokens: int = 4
+    max_num_seqs: int = 4
+    tensor_parallel_size: int = 1
+    data_plane: str = "inline"
+    target: str = DEFAULT_TARGET
+    draft: str = ""
+    max_model_len: int = 2048
+    dtype: str = "float32"
+    is_pinned: bool = True
+    host: str = "127.0.0.1"
+    gateway_port: int = 50051
+    coordinator_port: int = 50052
+    drafter_port: int = 50053
+    verifier_port: int = 50054
+    dist_port: int = 29600
+    runs_dir: str = "runs"
+    startup_timeout_s: float = 900.0
+    stop_timeout_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        checks = {
+            "mode": (self.mode in MODES, f"must be one of {MODES}"),
+            "num_speculative_tokens": (self.num_speculative_tokens >= 1, "must be >= 1"),
+            "max_num_seqs": (self.max_num_seqs >= 1, "must be >= 1"),
+            "tensor_parallel_size": (self.tensor_parallel_size >= 1, "must be >= 1"),
+            "data_plane": (self.data_plane in DATA_PLANES, f"must be one of {DATA_PLANES}"),
+            "max_model_len": (self.max_model_len >= 2, "must be >= 2"),
+            "startup_timeout_s": (self.startup_timeout_s > 0, "must be > 0"),
+            "stop_timeout_s": (self.stop_timeout_s > 0, "must be > 0"),
+        }
+        for name in ("gateway_port", "coordinator_port", "drafter_port", "verifier_port", "dist_port"):
+            checks[name] = (0 < getattr(self, name) <= 65535, "must be in [1, 65535]")
+        for name, (is_ok, reason) in checks.items():
+            if not is_ok:
+                raise ValueError(f"{name}: {reason}, got {getattr(self, name)!r}")
+
+    @property
+    def has_drafter(self) -> bool:
+        """``ar`` runs the target alone: no drafter process."""
+        return self.mode != "ar"
+
+    @property
+    def num_engine_slots(self) -> int:
+        """KV slots per engine: 2m (PSD's two batches; the same budget for every mode)."""
+        return 2 * self.max_num_seqs
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One process of the stack: its command line, health address, CPU cores and environment."""
+
+    name: str
+    argv: list[str]
+    address: str
+    cpus: tuple[int, ...] = NO_PINNING
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def resolve_draft_dir(cfg: StackConfig, target_dir: str, cache_root: str | None = None) -> str:
+    """The draft dir: ``cfg.draft``; else ``drafts/smollm2-135m-instruct`` (distilled) when it
+    exists; else an untrained draft of the target's first layers, written once to the cache
+    (``$MINEDRAFT_CACHE/drafts``) by ``specdec.draft_format.make_truncated_draft`` in a child
+    process (this module stays torch-free).
+
+    Raises:
+        RuntimeError: the truncated draft could not be written.
+    """
+    if cfg.draft:
+        return cfg.draft
+    if os.path.isdir(DEFAULT_DRAFT_DIR):
+        return DEFAULT_DRAFT_DIR
+    root = cache_root or os.environ.get("MINEDRAFT_CACHE", os.path.expanduser("~/.cache/minedraft"))
+    key = hashlib.sha1(os.path.abspath(target_dir).encode()).hexdigest()[:10]
+    layers = list(DEFAULT_TRUNCATED_LAYERS)
+    out_dir = os.path.join(root, "drafts", f"truncated-{key}-{'-'.join(map(str, layers))}")
+    if not os.path.isfile(os.path.join(out_dir, "minedraft_draft.json")):
+        code = ("import sys; from specdec.draft_format import make_truncated_draft; "
+                "make_truncated_draft(sys.argv[1], [int(x) for x in sys.argv[2].split(',')], sys.argv[3])")
+        proc = subprocess.run([sys.executable, "-c", code, target_dir, ",".join(map(str, layers)), out_dir],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"draft: cannot write a truncated draft to {out_dir}: {proc.stderr[-2000:]}")
+    return out_dir
+
+
+def _engine_args(cfg: StackConfig, port: int, num_threads: int) -> list[str]:
+    return ["--dtype", cfg.dtype, "--max-num-seqs", str(cfg.num_engine_slots),
+            "--max-model-len", str(cfg.max_model_len), "--num-threads", str(num_threads),
+            "--host", cfg.host, "--port", str(port), "--data-plane", cfg.data_plane,
+            "--dist-port", str(cfg.dist_port)]
+
+
+def verifier_spec(cfg: StackConfig, model_dir: str) -> ServiceSpec:
+    """Verifier: pinned to core 0 with one thread next to a drafter; in ``ar`` it may use all cores."""
+    is_alone = not cfg.has_drafter
+    num_threads = max(1, (os.cpu_count() or 1) // cfg.tensor_parallel_size) if is_alone else 1
+    args = ["-m", "verifier_svc", "--model", model_dir, *_engine_args(cfg, cfg.verifier_port, num_threads)]
+    if cfg.tensor_parallel_size > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={cfg.tensor_parallel_size}"]
+        argv = [*launcher, "-m", *args[1:]]  # torchrun -m verifier_svc ...
+        return ServiceSpec("verifier", argv, f"{cfg.host}:{cfg.verifier_port}")
+    cpus = (VERIFIER_CPU,) if cfg.is_pinned and not is_alone else NO_PINNING
+    return ServiceSpec("verifier", [sys.executable, *args], f"{cfg.host}:{cfg.verifier_port}", cpus)
+
+
+def drafter_spec(cfg: StackConfig, model_dir: str, draft_dir: str) -> ServiceSpec:
+    """Drafter: pinned to core 1 with one thread."""
+    argv = [sys.executable, "-m", "drafter_svc", "--draft", draft_dir, "--model", model_dir,
+            *_engine_args(cfg, cfg.drafter_port, 1)]
+    cpus = (DRAFTER_CPU,) if cfg.is_pinned and (os.cpu_count() or 1) > DRAFTER_CPU else NO_PINNING
+    return ServiceSpec("drafter", argv, f"{cfg.host}:{cfg.drafter_port}", cpus)
+
+
+def coordinator_spec(cfg: StackConfig) -> ServiceSpec:
+    argv = [sys.executable, "-m", "coordinator", "--mode", cfg.mode,
+            "--k", str(cfg.num_speculative_tokens),
+            "--max-num-seqs", str(cfg.max_num_seqs), "--data-plane", cfg.data_plane,
+            "--drafter", f"{cfg.host}:{cfg.drafter_port}", "--verifier", f"{cfg.host}:{cfg.verifier_port}",
+            "--host", cfg.host, "--port", str(cfg.coordinator_port)]
+    return ServiceSpec("coordinator", argv, f"{cfg.host}:{cfg.coordinator_port}")
+
+
+def gateway_spec(cfg: StackConfig, model_dir: str, draft_name: str) -> ServiceSpec:
+    argv = [sys.executable, "-m", "gateway", "--tokenizer", model_dir,
+            "--coordinator", f"{cfg.host}:{cfg.coordinator_port}", "--host", cfg.host,
+            "--port", str(cfg.gateway_port), "--model-name", os.path.basename(os.path.normpath(cfg.target)),
+            "--draft-name", draft_name, "--max-model-len", str(cfg.max_model_len)]
+    return ServiceSpec("gateway", argv, f"{cfg.host}:{cfg.gateway_port}")
+
+
+def build_service_specs(cfg: StackConfig, model_dir: str) -> list[ServiceSpec]:
+    """Every service of the stack in start order: verifier, drafter (not in ``ar``), coordinator, gateway."""
+    specs = [verifier_spec(cfg, model_dir)]
+    draft_name = ""
+    if cfg.has_drafter:
+        draft_dir = resolve_draft_dir(cfg, model_dir)
+        draft_name = os.path.basename(os.path.normpath(draft_dir))
+        specs.append(drafter_spec(cfg, model_dir, draft_dir))
+    specs += [coordinator_spec(cfg), gateway_spec(cfg, model_dir, draft_name)]
+    return specs
