@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: venv protos check-protos test demo clean
+.PHONY: venv protos check-protos test demo up clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,6 +25,24 @@ check-protos: $(STAMP)
 
 test: $(STAMP) check-protos
 	$(PY) -m pytest -q tests
+
+# Shared prompt data (CI lays it out next to the repo); override: make demo DATA=/path/to/data
+DATA ?= ../shared/data
+DEMO_LIMIT ?= 32
+DEMO_MAX_TOKENS ?= 128
+DEMO_ARGS ?=
+UP_ARGS ?=
+
+# ar, sd, psd in turn on the same models and prompts: up -> prompts -> down; then a side-by-side
+# table of output tokens/s and mean acceptance length (runs/demo/results.json).
+demo: $(STAMP)
+	$(VENV)/bin/minedraft demo --modes ar,sd,psd --prompts-file $(DATA)/spec_bench/question.jsonl \
+		--limit $(DEMO_LIMIT) --concurrency 8 --max-tokens $(DEMO_MAX_TOKENS) --max-model-len 1024 \
+		--out-dir runs/demo $(DEMO_ARGS)
+
+# The stack in the foreground until Ctrl-C, e.g. make up UP_ARGS="--mode sd --k 3"
+up: $(STAMP)
+	$(VENV)/bin/minedraft up $(UP_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
