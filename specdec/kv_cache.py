@@ -99,7 +99,9 @@ class SlotKVCache:
         """Bytes held by the key and value tensors of all layers."""
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
-    def prepare(self, slot_ids: list[int], num_new_tokens: list[int], q_len: int) -> SlotAttentionMetadata:
+    def prepare(
+        self, slot_ids: list[int], num_new_tokens: list[int], q_len: int
+    ) -> SlotAttentionMetadata:
         """Build the metadata for appending ``num_new_tokens[i]`` tokens to ``slot_ids[i]``.
 
         Args:
@@ -136,7 +138,9 @@ class SlotKVCache:
             kv_len=kv_len,
         )
 
-    def write(self, layer_idx: int, meta: SlotAttentionMetadata, key: torch.Tensor, value: torch.Tensor) -> None:
+    def write(
+        self, layer_idx: int, meta: SlotAttentionMetadata, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
         """Store the real tokens' ``key``/``value`` ``[b, num_kv_heads, q, head_dim]``."""
         k_new = key.transpose(1, 2)[meta.is_real]                           # [n, kvh, d]
         v_new = value.transpose(1, 2)[meta.is_real]

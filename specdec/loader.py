@@ -219,9 +219,13 @@ def check_vocab_compat(target_tok_dir: str, draft_tok_dir: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m specdec.loader resolve MODEL [--gguf-file F]``: print the HF dir."""
-    parser = argparse.ArgumentParser(prog="python -m specdec.loader", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m specdec.loader", description=__doc__.split("\n")[0]
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    resolve = commands.add_parser("resolve", help="print the local HF dir of MODEL (converting a GGUF once)")
+    resolve = commands.add_parser(
+        "resolve", help="print the local HF dir of MODEL (converting a GGUF once)"
+    )
     resolve.add_argument("model", nargs="?", default=DEFAULT_TARGET)
     resolve.add_argument("--gguf-file", default=None)
     args = parser.parse_args(argv)

@@ -125,8 +125,8 @@ class ModelRunner:
                 float64 model pass ``torch.float64`` to see its full precision).
 
         Returns:
-            logits ``[b, q_max, vocab_size]`` in ``logits_dtype``; row i's entries past ``len(token_ids[i])``
-            are junk.
+            logits ``[b, q_max, vocab_size]`` in ``logits_dtype``; row i's entries past
+            ``len(token_ids[i])`` are junk.
 
         Raises:
             ValueError: bad slot, empty batch/row, duplicate slot, token id out of range.
