@@ -141,6 +141,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ sync and admission
     async def _sync(self) -> None:
+        """Release the KV of finished/aborted requests; probe a lost drafter when due."""
         if self._to_release:
             ids, self._to_release = sorted(self._to_release), set()
             self.drafter_link.note_released(ids)
@@ -156,6 +157,7 @@ class Scheduler:
                 logger.warning("release of %d requests failed: %s", len(ids), result)
                 if stub is self.engines.drafter:
                     self._lose_drafter(result)
+                    self.drafter_link.note_released(ids)  # released there once it is back
 
     async def _admit(self) -> None:
         # slots of finished/aborted requests count until their release RPC has run

@@ -57,7 +57,7 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
     def __init__(self, delay_s: float) -> None:
         self.committed: dict[str, list[int]] = {}
         self.delay_s, self.drafter, self.num_prob_rows, self.max_slots_used = delay_s, None, 0, 0
-        self.num_dist_fetches = 0
+        self.num_dist_fetches, self.is_failing = 0, False
 
     async def AddRequests(self, request, context):
         outputs = []
@@ -70,6 +70,8 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
 
     async def Verify(self, request, context):
         await asyncio.sleep(self.delay_s)
+        if self.is_failing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier rank lost")
         rows = decode_token_ids(request.draft_token_ids) if request.draft_token_ids.shape else [[]] * len(request.request_ids)
         if request.has_draft_probs and request.data_plane == engine_pb2.DATA_PLANE_INLINE:
             self._check_probs(request)
@@ -345,6 +347,24 @@ def test_drafter_outage_falls_back_to_ar_and_recovers() -> None:
             for task, (rid, prompt, _) in zip(tasks, work):
                 assert (await task)[0] == _expected(prompt, {"max_tokens": 60, "ignore_eos": True}), rid
             assert h.scheduler.is_drafter_available and h.drafter.num_draft_calls > calls_before
+
+    asyncio.run(main())
+
+
+def test_verifier_failure_fails_running_requests_and_loop_keeps_serving() -> None:
+    async def main():
+        async with Harness(mode="psd", max_num_seqs=2, delay_s=0.005) as h:
+            tasks = [asyncio.create_task(h.generate(f"r{i}", [3, i], max_tokens=300, ignore_eos=True)) for i in range(3)]
+            while h.scheduler.totals.num_steps < 3:
+                await asyncio.sleep(0.005)
+            h.verifier.is_failing = True
+            for tokens, reason, error in await asyncio.gather(*tasks):
+                assert reason == "error" and error.code == grpc.StatusCode.UNAVAILABLE.value[0] and tokens
+            h.verifier.is_failing = False
+            tokens, reason, _ = await h.generate("after", [8, 9], max_tokens=12)
+            assert tokens == _expected([8, 9], {"max_tokens": 12})
+            await asyncio.sleep(0.05)
+            assert not h.verifier.committed and not h.drafter.known
 
     asyncio.run(main())
 
