@@ -18,17 +18,21 @@ Protocol of the dist plane ("send only on demand", so a send can never be left u
 1. Draft(step_id) on the drafter: ``DraftProbsServer.publish(step_id, request_ids, probs)``
    keeps (request ids, probs) in a bounded FIFO buffer (``max_buffered_steps``; the oldest
    step is dropped when full). Nothing is sent.
-2. Verify(data_plane=DIST, draft_step_id) on verifier rank 0: ``DraftProbsClient.fetch``
-   sends the request ``int64[2] = [OP_FETCH, draft_step_id]`` and receives
-   ``int64[6] = [status, num_id_bytes, dtype_code, b, k, V]``; if status is FOUND it then
-   receives the request ids (utf-8, NUL-separated, uint8[num_id_bytes]) and the probs as raw
-   bytes uint8[b*k*V*itemsize] in their exact dtype. The entry is removed from the buffer.
-   The verifier keeps the rows of the request ids it verifies (a request aborted between draft
-   and verify is simply not asked for) and broadcasts them in its TP group.
+2. Verify(data_plane=DIST, draft_step_id) on verifier rank 0: ``DraftProbsClient.fetch`` posts
+   the request as TCPStore key ``fetch/<n>`` = ``draft_step_id`` (n counts requests), then
+   receives over the gloo group ``int64[6] = [status, num_id_bytes, dtype_code, b, k, V]``;
+   if status is FOUND it then receives the request ids (utf-8, NUL-separated,
+   uint8[num_id_bytes]) and the probs as raw bytes uint8[b*k*V*itemsize] in their exact
+   dtype. The drafter's serving thread waits on the store key, answers, and removes the
+   entry from the buffer. The verifier keeps the rows of the
+   request ids it verifies (a request aborted between draft and verify is simply not asked
+   for) and broadcasts them in its TP group.
 3. A step whose verify never comes (abort, fallback) is never sent: it ages out of the buffer.
-   Every send has a receiver already blocked in recv, so neither side can deadlock on an
-   unmatched send. Only one fetch is in flight at a time (one verifier engine thread).
-4. ``DraftProbsClient.close`` sends ``[OP_CLOSE, 0]``; the drafter's serving thread exits.
+   Every send answers a request whose sender is already blocked in recv, and no recv is ever
+   left posted while idle, so neither side can deadlock on an unmatched send, and either side
+   can shut down at any time between fetches. Only one fetch is in flight at a time.
+4. ``DraftProbsClient.close`` posts ``fetch/<n>`` = ``close``; ``DraftProbsServer.stop`` posts
+   the same through a store connection of its own, so the serving thread ends either way.
 """
 
 from __future__ import annotations
@@ -49,8 +53,9 @@ DEFAULT_DIST_PORT = 29600
 DRAFTER_RANK = 0
 VERIFIER_RANK = 1
 WORLD_SIZE = 2
-OP_FETCH = 1
-OP_CLOSE = 2
+REQUEST_KEY_PREFIX = "fetch/"
+CLOSE_REQUEST = "close"
+_IDLE_WAIT = datetime.timedelta(hours=1)  # a fetch request may be long in coming; loop after
 STATUS_MISSING = 0
 STATUS_FOUND = 1
 ID_SEPARATOR = "\0"
@@ -62,6 +67,10 @@ _DTYPE_CODES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.fl
 
 class DraftProbsMissingError(LookupError):
     """The drafter holds no probs for the requested step (never drafted sampled, or evicted)."""
+
+
+class DataPlaneUnavailableError(RuntimeError):
+    """The dist data plane is not connected (the drafter never joined within the timeout)."""
 
 
 @dataclass(frozen=True)
@@ -87,13 +96,15 @@ class DistPlaneConfig:
             raise ValueError(f"max_buffered_steps must be >= 1, got {self.max_buffered_steps}")
 
 
-def _connect(cfg: DistPlaneConfig, rank: int) -> dist.ProcessGroupGloo:
+def _connect(cfg: DistPlaneConfig, rank: int) -> tuple[dist.TCPStore, dist.ProcessGroupGloo]:
     """Rendezvous of the 2-rank group; blocks until both ranks joined (or connect timeout)."""
     store = dist.TCPStore(
         cfg.addr, cfg.port, WORLD_SIZE, rank == DRAFTER_RANK,
         timeout=datetime.timedelta(seconds=cfg.connect_timeout_s),
     )
-    return dist.ProcessGroupGloo(store, rank, WORLD_SIZE, _OP_TIMEOUT)
+    # the group gets its own key space, so our request keys never clash with its rendezvous
+    group = dist.ProcessGroupGloo(dist.PrefixStore("group/", store), rank, WORLD_SIZE, _OP_TIMEOUT)
+    return store, group
 
 
 def _send(group: dist.ProcessGroupGloo, tensor: torch.Tensor, peer: int) -> None:
@@ -109,6 +120,15 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
 
 
+def _wait_request(store: dist.TCPStore, index: int) -> bool:
+    """Wait for the ``index``-th fetch request; False after a long idle wait."""
+    try:
+        store.wait([f"{REQUEST_KEY_PREFIX}{index}"], _IDLE_WAIT)
+    except dist.DistStoreError:
+        return False
+    return True
+
+
 class DraftProbsServer:
     """Drafter side: buffers draft probs per step and sends them when the verifier asks."""
 
@@ -117,12 +137,32 @@ class DraftProbsServer:
         self._buffer: collections.OrderedDict[int, tuple[tuple[str, ...], torch.Tensor]] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="draft-probs-server", daemon=True)
+        self._stop = threading.Event()
         self.is_connected = threading.Event()
         self.num_evicted = 0
+        self._num_requests = 0
 
     def start(self) -> None:
         """Connect and serve in a daemon thread (does not wait for the verifier)."""
         self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop serving fetches: wake the serving thread with a close request, then join it."""
+        self._stop.set()
+        if not self._thread.is_alive():
+            return
+        with self._lock:  # the serving thread cannot end (and close the store) meanwhile
+            if self.is_connected.is_set():
+                self._post_close(timeout_s)
+        self._thread.join(timeout_s)
+
+    def _post_close(self, timeout_s: float) -> None:
+        try:
+            own = dist.TCPStore(self.cfg.addr, self.cfg.port, WORLD_SIZE, False,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+            own.set(f"{REQUEST_KEY_PREFIX}{self._num_requests}", CLOSE_REQUEST)
+        except Exception as exc:
+            logger.warning("dist data plane: cannot wake the serving thread (%s)", exc)
 
     def publish(self, step_id: int, request_ids: list[str], probs: torch.Tensor) -> None:
         """Keep ``probs`` [b, k, V] of ``request_ids`` (len b) for step ``step_id`` until fetched.
@@ -148,16 +188,23 @@ class DraftProbsServer:
 
     def _serve(self) -> None:
         try:
-            group = _connect(self.cfg, DRAFTER_RANK)
+            store, group = _connect(self.cfg, DRAFTER_RANK)
             self.is_connected.set()
-            request = torch.zeros(2, dtype=torch.int64)
-            while True:
-                op, step_id = _recv(group, request, VERIFIER_RANK).tolist()
-                if op == OP_CLOSE:
-                    return
-                self._answer(group, self._take(step_id))
+            while not self._stop.is_set():
+                if not _wait_request(store, self._num_requests):
+                    continue
+                with self._lock:  # ``stop`` posts at ``_num_requests`` under the same lock
+                    key = f"{REQUEST_KEY_PREFIX}{self._num_requests}"
+                    request = store.get(key).decode()
+                    store.delete_key(key)
+                    self._num_requests += 1
+                    if request == CLOSE_REQUEST:
+                        self.is_connected.clear()
+                        return
+                self._answer(group, self._take(int(request)))
         except Exception:
-            logger.exception("draft-probs server stopped")
+            if not self._stop.is_set():
+                logger.exception("draft-probs server stopped")
 
     def _answer(self, group: dist.ProcessGroupGloo, entry) -> None:
         if entry is None:
@@ -179,14 +226,32 @@ class DraftProbsClient:
 
     def __init__(self, cfg: DistPlaneConfig) -> None:
         self.cfg = cfg
+        self._store: dist.TCPStore | None = None
         self._group: dist.ProcessGroupGloo | None = None
         self._lock = threading.Lock()
+        self._connected = threading.Event()
+        self._num_requests = 0
 
     def connect(self) -> None:
-        """Join the group (blocks until the drafter joined; TimeoutError-like RuntimeError after
+        """Join the group; blocks until the drafter joined (RuntimeError after
         ``connect_timeout_s``)."""
         if self._group is None:
-            self._group = _connect(self.cfg, VERIFIER_RANK)
+            self._store, self._group = _connect(self.cfg, VERIFIER_RANK)
+            self._connected.set()
+
+    def _post(self, request: str) -> None:
+        self._store.set(f"{REQUEST_KEY_PREFIX}{self._num_requests}", request)
+        self._num_requests += 1
+
+    def start_connect(self) -> None:
+        """``connect`` in a daemon thread; ``fetch`` waits for it (see ``fetch``)."""
+        def run() -> None:
+            try:
+                self.connect()
+            except Exception:
+                logger.exception("dist data plane: cannot connect to the drafter at %s:%d",
+                                 self.cfg.addr, self.cfg.port)
+        threading.Thread(target=run, name="draft-probs-connect", daemon=True).start()
 
     @property
     def is_connected(self) -> bool:
@@ -196,12 +261,15 @@ class DraftProbsClient:
         """Draft probs [len(request_ids), k, V] (the drafter's dtype) of ``step_id``, rows in
         ``request_ids`` order.
 
+        Waits up to ``connect_timeout_s`` for a connection started by ``start_connect``.
+
         Raises:
-            RuntimeError: not connected.
+            DataPlaneUnavailableError: not connected.
             DraftProbsMissingError: the drafter has no probs for the step, or lacks a request id.
         """
-        if self._group is None:
-            raise RuntimeError("dist data plane is not connected")
+        if not self._connected.wait(self.cfg.connect_timeout_s) or self._group is None:
+            raise DataPlaneUnavailableError(
+                f"dist data plane to the drafter at {self.cfg.addr}:{self.cfg.port} is not connected")
         with self._lock:
             drafted_ids, probs = self._fetch_all(self._group, step_id)
         row_of = {rid: row for row, rid in enumerate(drafted_ids)}
@@ -214,7 +282,7 @@ class DraftProbsClient:
         return probs[torch.tensor(rows, dtype=torch.long)]
 
     def _fetch_all(self, group, step_id: int) -> tuple[list[str], torch.Tensor]:
-        _send(group, torch.tensor([OP_FETCH, step_id], dtype=torch.int64), DRAFTER_RANK)
+        self._post(str(int(step_id)))
         header = _recv(group, torch.zeros(_HEADER_LEN, dtype=torch.int64), DRAFTER_RANK).tolist()
         status, num_id_bytes, dtype_code, b, k, vocab = header
         if status != STATUS_FOUND:
@@ -231,8 +299,13 @@ class DraftProbsClient:
         return drafted_ids, raw.view(dtype).reshape(b, k, vocab)
 
     def close(self) -> None:
-        """Tell the drafter's serving thread to exit; idempotent."""
-        if self._group is not None:
-            with self._lock:
-                _send(self._group, torch.tensor([OP_CLOSE, 0], dtype=torch.int64), DRAFTER_RANK)
-            self._group = None
+        """Tell the drafter's serving thread to exit (best effort: the drafter may be gone)."""
+        if self._group is None:
+            return
+        with self._lock:
+            try:
+                self._post(CLOSE_REQUEST)
+            except Exception as exc:  # the drafter (store host) already stopped
+                logger.info("dist data plane: close not delivered (%s)", exc)
+            self._store = self._group = None
+            self._connected.clear()

@@ -118,6 +118,8 @@ def dist_plane():
     assert server.is_connected.wait(30)
     yield server, client
     client.close()
+    server.stop()
+    assert not server._thread.is_alive()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -166,3 +168,14 @@ def test_dist_publish_validates_shapes():
 def test_dist_plane_config_validation(field, value):
     with pytest.raises(ValueError, match=field):
         DistPlaneConfig(**{field: value})
+
+
+def test_dist_server_stops_while_idle_without_a_client_close():
+    cfg = DistPlaneConfig(port=_free_port(), connect_timeout_s=30)
+    server = DraftProbsServer(cfg)
+    server.start()
+    client = DraftProbsClient(cfg)
+    client.connect()
+    assert server.is_connected.wait(30)
+    server.stop(timeout_s=5)  # the serving thread is blocked waiting for a request
+    assert not server._thread.is_alive()

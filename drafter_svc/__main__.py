@@ -1,0 +1,110 @@
+"""``python -m drafter_svc``: the draft-model gRPC service (minedraft.v1.Drafter, port 50053).
+
+Start-up: bind and report NOT_SERVING -> load the draft model (and read the target's vocab
+size, so draft probs are padded to it) -> warm-up (add + draft + release of a dummy request)
+-> SERVING. With ``--data-plane dist`` the drafter hosts the data plane's TCPStore on
+``--dist-addr:--dist-port`` and serves draft-probs fetches from the verifier (specdec.dataplane).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from drafter_svc.engine_service import DATA_PLANE_NAMES, add_common_args
+from drafter_svc.servicer import DrafterServicer
+from minedraft.serving import ServerOptions, build_server, serve_until_signal
+from minedraft.v1 import engine_pb2, engine_pb2_grpc
+
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+DEFAULT_PORT = 50053
+logger = logging.getLogger("drafter_svc")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m drafter_svc", description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", required=True, help="draft model: HF dir, MineDraft draft dir, or .gguf")
+    parser.add_argument("--draft-gguf-file", default=None, help="GGUF file name inside --draft")
+    parser.add_argument("--model", default=None,
+                        help="target model (alias/dir): draft probs are padded to its vocab and "
+                             "its tokenizer is checked against the draft's")
+    parser.add_argument("--max-buffered-steps", type=int, default=8,
+                        help="dist plane: drafted steps kept for the verifier's fetch")
+    add_common_args(parser, DEFAULT_PORT)
+    return parser.parse_args(argv)
+
+
+def _target_vocab_size(args: argparse.Namespace, draft_dir: str) -> int | None:
+    """Vocab size of ``--model`` (None without it); checks tokenizer compatibility when both
+    dirs ship a tokenizer (raises ``IncompatibleDraftError``)."""
+    if args.model is None:
+        return None
+    from transformers import AutoConfig
+
+    from specdec.config import ModelConfig
+    from specdec.loader import check_vocab_compat, resolve_model_dir
+
+    target_dir = resolve_model_dir(ModelConfig(model=args.model))
+    if all(os.path.isfile(os.path.join(d, "tokenizer_config.json")) for d in (target_dir, draft_dir)):
+        check_vocab_compat(target_dir, draft_dir)
+    config = AutoConfig.from_pretrained(target_dir, local_files_only=True)
+    return int(config.get_text_config().vocab_size)
+
+
+def load_worker(args: argparse.Namespace):
+    """Build the ``DraftWorker`` (blocking: loads the model)."""
+    from specdec.config import CacheConfig, ModelConfig
+    from specdec.loader import resolve_model_dir
+    from specdec.runner import ModelRunner
+    from specdec.worker import DraftWorker
+
+    model_cfg = ModelConfig(model=args.draft, gguf_file=args.draft_gguf_file, dtype=args.dtype,
+                            device=args.device, num_threads=args.num_threads)
+    cache_cfg = CacheConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+    target_vocab_size = _target_vocab_size(args, resolve_model_dir(model_cfg))
+    runner = ModelRunner(model_cfg, cache_cfg)
+    return DraftWorker(runner, target_vocab_size=target_vocab_size, seed=args.seed)
+
+
+def _probs_server(args: argparse.Namespace):
+    if args.data_plane != "dist":
+        return None
+    from specdec.dataplane import DistPlaneConfig, DraftProbsServer
+
+    server = DraftProbsServer(DistPlaneConfig(addr=args.dist_addr, port=args.dist_port,
+                                              connect_timeout_s=args.dist_timeout_s,
+                                              max_buffered_steps=args.max_buffered_steps))
+    server.start()
+    return server
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Run the drafter until SIGTERM/SIGINT."""
+    server, health, port = await build_server(
+        [SERVICE_NAME], ServerOptions(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes))
+    servicer = DrafterServicer(args.draft, DATA_PLANE_NAMES[args.data_plane], _probs_server(args))
+    engine_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
+    await server.start()
+    logger.info("drafter listening on %s:%d (NOT_SERVING until warm-up)", args.host, port)
+    servicer.attach(await servicer.executor.run(load_worker, args))
+    await servicer.executor.run(servicer.warm_up)
+    await health.set_serving()
+    logger.info("drafter SERVING %s on %s:%d (data plane %s)", args.draft, args.host, port, args.data_plane)
+    try:
+        await serve_until_signal(server, health, args.grace_s)
+    finally:
+        servicer.executor.shutdown()
+        if servicer.probs_server is not None:
+            servicer.probs_server.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

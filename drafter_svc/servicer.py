@@ -1,0 +1,152 @@
+"""``minedraft.v1.Drafter`` over ``specdec.worker.DraftWorker`` (grpc.aio).
+
+Every RPC that touches the model runs in the single engine thread (``EngineExecutor``).
+Errors: unknown request id -> NOT_FOUND; no slot / draft KV full -> RESOURCE_EXHAUSTED; bad
+ids, shapes or params -> INVALID_ARGUMENT; DIST asked of a drafter started without the dist
+plane -> FAILED_PRECONDITION; an RPC before the model is loaded -> UNAVAILABLE.
+
+Draft probs (paper §5: the verifier needs q to stay lossless) go out by the configured data
+plane: inline in ``DraftResponse.draft_probs``, or kept for the verifier's on-demand fetch
+(``specdec.dataplane.DraftProbsServer``). Draft token ids are always inline.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import torch
+
+from drafter_svc.engine_service import (
+    EngineExecutor,
+    abort_with,
+    check_unique_ids,
+    elapsed_ms,
+    engine_info,
+    to_sampling_params,
+)
+from minedraft.v1 import engine_pb2, engine_pb2_grpc
+from specdec.dataplane import DraftProbsServer
+from specdec.sampling import SamplingParams
+from specdec.tensor_proto import tensor_to_proto
+
+WARMUP_REQUEST_ID = "__minedraft_warmup__"
+WARMUP_NUM_TOKENS = 4
+WARMUP_K = 2
+
+
+class DrafterServicer(engine_pb2_grpc.DrafterServicer):
+    """The drafter's RPCs. ``attach`` gives it the worker once the model is loaded.
+
+    Args:
+        model_name: reported in ``EngineInfo.model``.
+        data_plane: ``DATA_PLANE_INLINE`` or ``DATA_PLANE_DIST`` (default of requests that
+            leave ``data_plane`` unspecified).
+        probs_server: the dist plane's server; required for ``DATA_PLANE_DIST``.
+    """
+
+    def __init__(self, model_name: str, data_plane: int, probs_server: DraftProbsServer | None = None) -> None:
+        if data_plane == engine_pb2.DATA_PLANE_DIST and probs_server is None:
+            raise ValueError("data_plane DIST needs a probs_server")
+        self.model_name = model_name
+        self.data_plane = data_plane
+        self.probs_server = probs_server
+        self.executor = EngineExecutor("drafter-engine")
+        self.worker = None
+        self._request_ids: set[str] = set()
+
+    def attach(self, worker) -> None:
+        """Serve with ``worker`` (a ``specdec.worker.DraftWorker``)."""
+        self.worker = worker
+
+    # ---- engine-thread functions (synchronous) ------------------------------------------
+    def _add_all(self, seqs: list[tuple[str, list[int], SamplingParams]]) -> None:
+        """Add every request or none: a failure releases the ones added by this call."""
+        check_unique_ids([rid for rid, _, _ in seqs])
+        added = []
+        try:
+            for request_id, prompt, params in seqs:
+                self.worker.add_request(request_id, prompt, params)
+                added.append(request_id)
+        except Exception:
+            for request_id in added:
+                self.worker.release(request_id)
+            raise
+        self._request_ids.update(added)
+
+    def _draft(self, request: engine_pb2.DraftRequest, plane: int) -> engine_pb2.DraftResponse:
+        request_ids = [seq.request_id for seq in request.seqs]
+        check_unique_ids(request_ids)
+        k = request.num_speculative_tokens
+        if k < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
+        committed = [(seq.start_position, list(seq.token_ids)) for seq in request.seqs]
+        start = time.perf_counter()
+        token_ids, probs = self.worker.draft(request_ids, committed, k)
+        response = engine_pb2.DraftResponse(step_id=request.step_id, draft_ms=elapsed_ms(start))
+        ids = torch.tensor(token_ids, dtype=torch.int32).view(len(request_ids), k)
+        response.draft_token_ids.CopyFrom(tensor_to_proto(ids))
+        if probs is not None:
+            start = time.perf_counter()
+            if plane == engine_pb2.DATA_PLANE_DIST:
+                self.probs_server.publish(request.step_id, request_ids, probs)
+            else:
+                response.draft_probs.CopyFrom(tensor_to_proto(probs))
+            response.has_draft_probs = True
+            response.data_plane_ms = elapsed_ms(start)
+        return response
+
+    def _release(self, request_ids: list[str]) -> int:
+        known = [rid for rid in dict.fromkeys(request_ids) if rid in self._request_ids]
+        for request_id in known:
+            self.worker.release(request_id)
+            self._request_ids.discard(request_id)
+        return len(known)
+
+    def warm_up(self) -> None:
+        """Add, draft (sampled, so probs are built) and release a dummy request."""
+        prompt = list(range(1, 1 + WARMUP_NUM_TOKENS))
+        self._add_all([(WARMUP_REQUEST_ID, prompt, SamplingParams(temperature=1.0, seed=0))])
+        try:
+            self.worker.draft([WARMUP_REQUEST_ID], [(0, prompt)], WARMUP_K)
+        finally:
+            self._release([WARMUP_REQUEST_ID])
+
+    # ---- RPCs -----------------------------------------------------------------------------
+    async def _check_ready(self, context) -> None:
+        if self.worker is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "drafter model is still loading")
+
+    async def AddRequests(self, request, context):
+        await self._check_ready(context)
+        start = time.perf_counter()
+        try:
+            seqs = [(s.request_id, list(s.prompt_token_ids), to_sampling_params(s.sampling)) for s in request.seqs]
+            await self.executor.run(self._add_all, seqs)
+        except Exception as exc:
+            await abort_with(context, exc)
+        return engine_pb2.AddRequestsResponse(forward_ms=elapsed_ms(start))
+
+    async def Draft(self, request, context):
+        await self._check_ready(context)
+        plane = request.data_plane or self.data_plane
+        if plane == engine_pb2.DATA_PLANE_DIST and self.probs_server is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "DATA_PLANE_DIST asked, but the drafter runs with --data-plane inline")
+        try:
+            return await self.executor.run(self._draft, request, plane)
+        except Exception as exc:
+            await abort_with(context, exc)
+
+    async def ReleaseRequests(self, request, context):
+        await self._check_ready(context)
+        try:
+            num_released = await self.executor.run(self._release, list(request.request_ids))
+        except Exception as exc:
+            await abort_with(context, exc)
+        return engine_pb2.ReleaseResponse(num_released=num_released)
+
+    async def GetInfo(self, request, context):
+        await self._check_ready(context)
+        return engine_info(self.worker.runner, self.model_name, set(self._request_ids))
+

@@ -1,0 +1,123 @@
+"""``python -m verifier_svc``: the target-model gRPC service (minedraft.v1.Verifier, port 50054).
+
+Tensor parallel: ``torchrun --nproc-per-node N -m verifier_svc ...``; every rank loads its shard
+(``tp_plan="auto"``), rank 0 serves gRPC and broadcasts the commands (verifier_svc.tp).
+Start-up: bind and report NOT_SERVING -> load the model -> warm-up (add + verify + release of
+a dummy request, on every rank) -> SERVING. With ``--data-plane dist`` rank 0 joins the
+drafter's data-plane group on ``--dist-addr:--dist-port`` (specdec.dataplane).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from drafter_svc.engine_service import DATA_PLANE_NAMES, add_common_args
+from minedraft.serving import ServerOptions, build_server, serve_until_signal
+from minedraft.v1 import engine_pb2, engine_pb2_grpc
+from verifier_svc.tp import TPContext
+
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+DEFAULT_PORT = 50054
+logger = logging.getLogger("verifier_svc")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m verifier_svc", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="target model: alias, HF dir, or dir/.gguf")
+    parser.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
+    add_common_args(parser, DEFAULT_PORT)
+    return parser.parse_args(argv)
+
+
+def load_engine(args: argparse.Namespace, ctx: TPContext):
+    """Build this rank's ``VerifierEngine`` (blocking: loads the model, joins the TP group)."""
+    from specdec.config import CacheConfig, ModelConfig
+    from specdec.runner import ModelRunner
+    from specdec.worker import TargetWorker
+    from verifier_svc.engine import VerifierEngine
+    from verifier_svc.tp import CommandChannel, init_distributed, load_tp_model
+
+    device = init_distributed(ctx, args.device)
+    model_cfg = ModelConfig(model=args.model, gguf_file=args.gguf_file, dtype=args.dtype,
+                            device=device, num_threads=args.num_threads)
+    cache_cfg = CacheConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+    model = load_tp_model(model_cfg, ctx) if ctx.is_distributed else None
+    worker = TargetWorker(ModelRunner(model_cfg, cache_cfg, model=model), seed=args.seed)
+    channel = CommandChannel(device) if ctx.is_distributed else None
+    return VerifierEngine(worker, channel, _probs_client(args, ctx), seed=args.seed)
+
+
+def _probs_client(args: argparse.Namespace, ctx: TPContext):
+    if args.data_plane != "dist" or not ctx.is_driver:
+        return None
+    from specdec.dataplane import DistPlaneConfig, DraftProbsClient
+
+    client = DraftProbsClient(DistPlaneConfig(addr=args.dist_addr, port=args.dist_port,
+                                              connect_timeout_s=args.dist_timeout_s))
+    client.start_connect()
+    return client
+
+
+async def serve(args: argparse.Namespace, ctx: TPContext) -> None:
+    """Rank 0: serve gRPC until SIGTERM/SIGINT, then stop the other ranks."""
+    from verifier_svc.servicer import VerifierServicer
+
+    server, health, port = await build_server(
+        [SERVICE_NAME], ServerOptions(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes))
+    servicer = VerifierServicer(args.model, DATA_PLANE_NAMES[args.data_plane], ctx.world_size)
+    engine_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+    await server.start()
+    logger.info("verifier listening on %s:%d (NOT_SERVING until warm-up)", args.host, port)
+    engine = await servicer.executor.run(load_engine, args, ctx)
+    try:
+        servicer.attach(engine)
+        await servicer.executor.run(servicer.warm_up)
+        await health.set_serving()
+        logger.info("verifier SERVING %s on %s:%d (TP=%d, data plane %s)",
+                    args.model, args.host, port, ctx.world_size, args.data_plane)
+        await serve_until_signal(server, health, args.grace_s)
+    finally:
+        await servicer.executor.run(_close, engine)
+        servicer.executor.shutdown()
+
+
+def _close(engine) -> None:
+    engine.shutdown()
+    if engine.probs_client is not None and engine.probs_client.is_connected:
+        engine.probs_client.close()
+
+
+def follow(args: argparse.Namespace, ctx: TPContext) -> None:
+    """Ranks > 0: load the shard, then apply rank 0's commands until SHUTDOWN.
+
+    SIGTERM/SIGINT are ignored here: torchrun forwards them to every rank, and these ranks must
+    stay until rank 0 has drained and broadcast SHUTDOWN (torchrun kills them if rank 0 dies).
+    """
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    load_engine(args, ctx).follow()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    ctx = TPContext.from_env()
+    try:
+        if ctx.is_driver:
+            asyncio.run(serve(args, ctx))
+        else:
+            follow(args, ctx)
+    finally:
+        if ctx.is_distributed:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""The verifier's engine commands, run identically on every tensor-parallel rank.
+
+``VerifierEngine`` wraps ``specdec.worker.TargetWorker``. On rank 0 (the driver) each command
+is validated, completed (seeds of unseeded requests drawn; draft probs decoded from the inline
+message or fetched over the dist data plane), broadcast to the other ranks
+(``verifier_svc.tp.CommandChannel``) and then applied; ranks > 0 run ``follow()``, applying the
+same commands in the same order until SHUTDOWN. Validation happens before the broadcast, so
+the ranks only ever see commands that the driver accepted; an engine error after it happens on
+every rank alike (same code, same inputs) and leaves their states equal.
+
+Synchronous: call from the single engine thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import torch
+
+from drafter_svc.engine_service import check_unique_ids, elapsed_ms, to_sampling_params, to_seq_output
+from minedraft.v1 import engine_pb2
+from specdec.tensor_proto import is_empty_proto, proto_to_tensor
+from verifier_svc.tp import CMD_ADD, CMD_RELEASE, CMD_SHUTDOWN, CMD_VERIFY, PROBS_DTYPES, CommandChannel
+
+logger = logging.getLogger(__name__)
+_SEED_BITS = 63
+
+
+class VerifierEngine:
+    """Target-model commands (see module docstring).
+
+    Args:
+        worker: this rank's ``TargetWorker``.
+        channel: the TP command channel, or None for TP = 1.
+        probs_client: ``specdec.dataplane.DraftProbsClient`` (driver with ``--data-plane dist``).
+        seed: seeds the source of per-request seeds for unseeded requests (None: random).
+    """
+
+    def __init__(self, worker, channel: CommandChannel | None = None, probs_client=None,
+                 seed: int | None = None) -> None:
+        self.worker = worker
+        self.channel = channel
+        self.probs_client = probs_client
+        self.request_ids: set[str] = set()
+        self._seed_source = random.Random(seed)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.worker.runner.vocab_size
+
+    def _broadcast(self, kind: int, message=None, probs: torch.Tensor | None = None) -> None:
+        if self.channel is not None:
+            self.channel.send(kind, b"" if message is None else message.SerializeToString(), probs)
+
+    # ---- driver entry points --------------------------------------------------------------
+    def add(self, request: engine_pb2.AddRequestsRequest) -> engine_pb2.AddRequestsResponse:
+        """Prefill each prompt and sample its first token (all requests or none).
+
+        Raises: ValueError (duplicate/active id, bad params), CapacityError (no slot, too long).
+        """
+        ids = [seq.request_id for seq in request.seqs]
+        check_unique_ids(ids)
+        active = [rid for rid in ids if rid in self.request_ids]
+        if active:
+            raise ValueError(f"request ids already active: {active}")
+        request = engine_pb2.AddRequestsRequest.FromString(request.SerializeToString())
+        for seq in request.seqs:
+            to_sampling_params(seq.sampling)  # validate before any rank sees the command
+            if not seq.sampling.HasField("seed"):
+                seq.sampling.seed = self._seed_source.getrandbits(_SEED_BITS)
+        start = time.perf_counter()
+        self._broadcast(CMD_ADD, request)
+        outputs = self._apply_add(request)
+        return engine_pb2.AddRequestsResponse(outputs=outputs, forward_ms=elapsed_ms(start))
+
+    def verify(self, request: engine_pb2.VerifyRequest, plane: int) -> engine_pb2.VerifyResponse:
+        """One verify step (k = 0: decode) of ``request.request_ids`` with their draft tokens.
+
+        Raises: KeyError (unknown id), ValueError / TensorDecodeError (shapes),
+        DraftProbsMissingError / DataPlaneUnavailableError (dist plane), CapacityError.
+        """
+        ids = list(request.request_ids)
+        check_unique_ids(ids)
+        unknown = [rid for rid in ids if rid not in self.request_ids]
+        if unknown:
+            raise KeyError(f"unknown request ids: {unknown}")
+        draft_ids = self._draft_token_ids(request, len(ids))
+        start = time.perf_counter()
+        probs = self._draft_probs(request, plane, ids, draft_ids.shape[1])
+        command = engine_pb2.VerifyRequest()
+        command.CopyFrom(request)
+        command.ClearField("draft_probs")
+        command.has_draft_probs = probs is not None
+        self._broadcast(CMD_VERIFY, command, probs)
+        data_plane_ms = elapsed_ms(start)
+        start = time.perf_counter()
+        outputs = self._apply_verify(command, probs)
+        return engine_pb2.VerifyResponse(step_id=request.step_id, outputs=outputs,
+                                         verify_ms=elapsed_ms(start), data_plane_ms=data_plane_ms)
+
+    def release(self, request: engine_pb2.ReleaseRequest) -> int:
+        """Free the slots of the active ids among ``request.request_ids``; returns how many."""
+        known = [rid for rid in dict.fromkeys(request.request_ids) if rid in self.request_ids]
+        command = engine_pb2.ReleaseRequest(request_ids=known)
+        if known:
+            self._broadcast(CMD_RELEASE, command)
+        return self._apply_release(command)
+
+    def shutdown(self) -> None:
+        """Tell the other ranks to leave ``follow()``."""
+        self._broadcast(CMD_SHUTDOWN)
+
+    # ---- validation helpers (driver) --------------------------------------------------------
+    @staticmethod
+    def _draft_token_ids(request: engine_pb2.VerifyRequest, batch_size: int) -> torch.Tensor:
+        if is_empty_proto(request.draft_token_ids):
+            return torch.zeros(batch_size, 0, dtype=torch.int64)
+        ids = proto_to_tensor(request.draft_token_ids)
+        if ids.dim() != 2 or ids.shape[0] != batch_size or ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"draft_token_ids must be int [b={batch_size}, k], got {ids.dtype} {tuple(ids.shape)}")
+        return ids.long()
+
+    def _draft_probs(self, request, plane: int, ids: list[str], k: int) -> torch.Tensor | None:
+        if not request.has_draft_probs:
+            return None
+        if k == 0:
+            raise ValueError("has_draft_probs is set but there are no draft tokens (k = 0)")
+        if plane == engine_pb2.DATA_PLANE_DIST:
+            probs = self.probs_client.fetch(request.draft_step_id, ids)
+        else:
+            probs = proto_to_tensor(request.draft_probs)
+        expected = (len(ids), k, self.vocab_size)
+        if tuple(probs.shape) != expected or probs.dtype not in PROBS_DTYPES:
+            raise ValueError(f"draft_probs must be float {list(expected)}, got {probs.dtype} {list(probs.shape)}")
+        return probs
+
+    # ---- applied on every rank ------------------------------------------------------------
+    def _apply_add(self, request: engine_pb2.AddRequestsRequest) -> list[engine_pb2.SeqOutput]:
+        outputs, added = [], []
+        try:
+            for seq in request.seqs:
+                step = self.worker.add_request(seq.request_id, list(seq.prompt_token_ids),
+                                               to_sampling_params(seq.sampling))
+                added.append(seq.request_id)
+                outputs.append(to_seq_output(step))
+        except Exception:
+            for request_id in added:
+                self.worker.release(request_id)
+            raise
+        self.request_ids.update(added)
+        return outputs
+
+    def _apply_verify(self, command: engine_pb2.VerifyRequest, probs) -> list[engine_pb2.SeqOutput]:
+        ids = list(command.request_ids)
+        draft_ids = self._draft_token_ids(command, len(ids)).tolist()
+        steps = self.worker.verify(ids, draft_ids, probs)
+        return [to_seq_output(step) for step in steps]
+
+    def _apply_release(self, command: engine_pb2.ReleaseRequest) -> int:
+        for request_id in command.request_ids:
+            self.worker.release(request_id)
+            self.request_ids.discard(request_id)
+        return len(command.request_ids)
+
+    # ---- ranks > 0 ----------------------------------------------------------------------------
+    def follow(self) -> None:
+        """Ranks > 0: apply the driver's commands until SHUTDOWN."""
+        while True:
+            kind, payload, probs_code = self.channel.receive()
+            if kind == CMD_SHUTDOWN:
+                return
+            try:
+                self._apply_command(kind, payload, probs_code)
+            except Exception:  # the driver raised the same error and reported it
+                logger.exception("command %d failed on this rank", kind)
+
+    def _apply_command(self, kind: int, payload: bytes, probs_code: int) -> None:
+        if kind == CMD_ADD:
+            self._apply_add(engine_pb2.AddRequestsRequest.FromString(payload))
+        elif kind == CMD_VERIFY:
+            command = engine_pb2.VerifyRequest.FromString(payload)
+            k = self._draft_token_ids(command, len(command.request_ids)).shape[1]
+            probs = self.channel.receive_probs(probs_code, (len(command.request_ids), k, self.vocab_size))
+            self._apply_verify(command, probs)
+        elif kind == CMD_RELEASE:
+            self._apply_release(engine_pb2.ReleaseRequest.FromString(payload))
+        else:
+            raise ValueError(f"unknown command kind {kind}")

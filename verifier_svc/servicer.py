@@ -1,0 +1,95 @@
+"""``minedraft.v1.Verifier`` over ``verifier_svc.engine.VerifierEngine`` (grpc.aio, rank 0).
+
+Every RPC that touches the model runs in the single engine thread (``EngineExecutor``); with
+TP > 1 that thread also broadcasts the commands to the other ranks. Errors: unknown request id
+-> NOT_FOUND (also: dist plane holds no probs for the step), no slot / KV full ->
+RESOURCE_EXHAUSTED, bad ids/shapes/params -> INVALID_ARGUMENT, DIST asked of a verifier started
+without the dist plane -> FAILED_PRECONDITION, dist plane not connected -> UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import grpc
+import torch
+
+from drafter_svc.engine_service import EngineExecutor, abort_with, engine_info
+from minedraft.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from specdec.tensor_proto import tensor_to_proto
+
+WARMUP_REQUEST_ID = "__minedraft_warmup__"
+WARMUP_NUM_TOKENS = 4
+WARMUP_K = 2
+
+
+class VerifierServicer(engine_pb2_grpc.VerifierServicer):
+    """The verifier's RPCs. ``attach`` gives it the engine once the model is loaded.
+
+    Args:
+        model_name: reported in ``EngineInfo.model``.
+        data_plane: default plane of requests that leave ``data_plane`` unspecified.
+        tensor_parallel_size: reported in ``EngineInfo``.
+    """
+
+    def __init__(self, model_name: str, data_plane: int, tensor_parallel_size: int = 1) -> None:
+        self.model_name = model_name
+        self.data_plane = data_plane
+        self.tensor_parallel_size = tensor_parallel_size
+        self.executor = EngineExecutor("verifier-engine")
+        self.engine = None
+
+    def attach(self, engine) -> None:
+        """Serve with ``engine`` (a ``VerifierEngine``)."""
+        self.engine = engine
+
+    def warm_up(self) -> None:
+        """Add a dummy request, verify k sampled drafts with uniform probs, release it."""
+        vocab = self.engine.vocab_size
+        sampling = common_pb2.SamplingParams(temperature=1.0, seed=0, max_tokens=WARMUP_K + 2)
+        prompt = list(range(1, 1 + WARMUP_NUM_TOKENS))
+        self.engine.add(engine_pb2.AddRequestsRequest(
+            seqs=[engine_pb2.SeqInit(request_id=WARMUP_REQUEST_ID, prompt_token_ids=prompt, sampling=sampling)]))
+        try:
+            request = engine_pb2.VerifyRequest(
+                request_ids=[WARMUP_REQUEST_ID],
+                draft_token_ids=tensor_to_proto(torch.tensor([prompt[:WARMUP_K]], dtype=torch.int32)),
+                draft_probs=tensor_to_proto(torch.full((1, WARMUP_K, vocab), 1.0 / vocab)),
+                has_draft_probs=True, data_plane=engine_pb2.DATA_PLANE_INLINE)
+            self.engine.verify(request, engine_pb2.DATA_PLANE_INLINE)
+        finally:
+            self.engine.release(engine_pb2.ReleaseRequest(request_ids=[WARMUP_REQUEST_ID]))
+
+    async def _check_ready(self, context) -> None:
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier model is still loading")
+
+    async def AddRequests(self, request, context):
+        await self._check_ready(context)
+        try:
+            return await self.executor.run(self.engine.add, request)
+        except Exception as exc:
+            await abort_with(context, exc)
+
+    async def Verify(self, request, context):
+        await self._check_ready(context)
+        plane = request.data_plane or self.data_plane
+        if (request.has_draft_probs and plane == engine_pb2.DATA_PLANE_DIST
+                and self.engine.probs_client is None):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "DATA_PLANE_DIST asked, but the verifier runs with --data-plane inline")
+        try:
+            return await self.executor.run(self.engine.verify, request, plane)
+        except Exception as exc:
+            await abort_with(context, exc)
+
+    async def ReleaseRequests(self, request, context):
+        await self._check_ready(context)
+        try:
+            num_released = await self.executor.run(self.engine.release, request)
+        except Exception as exc:
+            await abort_with(context, exc)
+        return engine_pb2.ReleaseResponse(num_released=num_released)
+
+    async def GetInfo(self, request, context):
+        await self._check_ready(context)
+        return engine_info(self.engine.worker.runner, self.model_name, set(self.engine.request_ids),
+                           self.tensor_parallel_size)
