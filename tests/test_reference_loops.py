@@ -157,3 +157,52 @@ def test_continuous_admission_never_exceeds_max_num_seqs(tiny_llama):
     requests, stats = _run(tiny_llama, "psd", "layer", PROMPTS * 3, params, max_num_seqs=2)
     assert all(len(r.output_token_ids) == 5 for r in requests)
     assert stats.num_output_tokens == 5 * len(requests)
+
+
+# ---- real SmolLM2-135M-Instruct, float32, 16 Spec-Bench prompts ---------------------------------
+SPEC_BENCH = "/work/shared/data/spec_bench/question.jsonl"
+NUM_REAL_PROMPTS, REAL_MAX_TOKENS, REAL_K, MAX_TIE_GAP = 16, 32, 3, 1e-4
+
+
+def _top2_gap(runner, sequence):
+    """Target logit gap between the best and second-best next token after ``sequence``."""
+    slot = runner.allocate_slot()
+    try:
+        top2 = runner.prefill([slot], [sequence])[0].topk(2).values
+    finally:
+        runner.free_slot(slot)
+    return float(top2[0] - top2[1])
+
+
+@pytest.mark.slow
+def test_real_smollm2_greedy_sd_psd_equal_ar(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    from specdec.generate import _read_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                  add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+               for text in _read_prompts(SPEC_BENCH, NUM_REAL_PROMPTS)]
+    cache_cfg = CacheConfig(max_num_seqs=NUM_REAL_PROMPTS + 1,
+                            max_model_len=max(map(len, prompts)) + REAL_MAX_TOKENS + REAL_K + 2)
+    target_runner = ModelRunner(ModelConfig(model=smollm2_dir), cache_cfg)
+    draft_model = build_draft_from_target(target_runner.model, [0, 1, 2, 3])
+    draft_runner = ModelRunner(ModelConfig(), cache_cfg, model=draft_model)
+    params = SamplingParams(temperature=0.0, max_tokens=REAL_MAX_TOKENS)
+    outputs = {}
+    for mode in ("ar", "sd", "psd"):
+        requests = [Request(f"q{i}", p, params) for i, p in enumerate(prompts)]
+        drafter = None if mode == "ar" else DraftWorker(draft_runner)
+        cfg = LoopConfig(mode, REAL_K, NUM_REAL_PROMPTS)
+        ReferenceLoop(cfg, TargetWorker(target_runner), drafter).run(requests)
+        outputs[mode] = [r.output_token_ids for r in requests]
+    for mode in ("sd", "psd"):
+        for prompt, ar_ids, spec_ids in zip(prompts, outputs["ar"], outputs[mode]):
+            if spec_ids == ar_ids:
+                continue
+            j = next((i for i, (a, s) in enumerate(zip(ar_ids, spec_ids)) if a != s),
+                     min(len(ar_ids), len(spec_ids)))
+            gap = _top2_gap(target_runner, prompt + ar_ids[:j])
+            assert gap < MAX_TIE_GAP, f"{mode}: first divergence at output token {j}, gap {gap}"
