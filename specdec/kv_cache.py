@@ -24,6 +24,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 
 SLOT_ATTENTION_NAME = "minedraft_slot"
 SLOT_METADATA_KWARG = "slot_metadata"
+NOT_CONSECUTIVE = -1  # SlotAttentionMetadata.first_slot when the batch's slots need a gather
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class SlotAttentionMetadata:
         is_real: ``[b, q]`` bool, True for real tokens.
         attn_mask: ``[b, 1, q, kv_len]`` bool, True where a query may attend a cached key.
         kv_len: number of cache positions read (max over rows of the new sequence length).
+        first_slot: ``slot_ids[0]`` when the slots are consecutive ascending ids (then the
+            cache is read as a view, no gather), else ``NOT_CONSECUTIVE``.
     """
 
     cache: "SlotKVCache"
@@ -52,6 +55,7 @@ class SlotAttentionMetadata:
     is_real: torch.Tensor
     attn_mask: torch.Tensor
     kv_len: int
+    first_slot: int
 
 
 class SlotKVCache:
@@ -136,6 +140,7 @@ class SlotKVCache:
             is_real=is_real.to(to_device),
             attn_mask=attn_mask[:, None].to(to_device),
             kv_len=kv_len,
+            first_slot=_first_if_consecutive(slot_ids),
         )
 
     def write(
@@ -149,9 +154,12 @@ class SlotKVCache:
 
     def read(self, layer_idx: int, meta: SlotAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached keys and values of the batch rows, each ``[b, num_kv_heads, kv_len, head_dim]``."""
-        k_all = self.k[layer_idx].index_select(0, meta.slot_ids)[:, :, : meta.kv_len]
-        v_all = self.v[layer_idx].index_select(0, meta.slot_ids)[:, :, : meta.kv_len]
-        return k_all, v_all
+        k_all = self.k[layer_idx][:, :, : meta.kv_len]
+        v_all = self.v[layer_idx][:, :, : meta.kv_len]
+        if meta.first_slot == NOT_CONSECUTIVE:
+            return k_all.index_select(0, meta.slot_ids), v_all.index_select(0, meta.slot_ids)
+        rows = slice(meta.first_slot, meta.first_slot + len(meta.slot_ids))
+        return k_all[rows], v_all[rows]
 
     def commit(self, slot_ids: list[int], num_new_tokens: list[int]) -> None:
         """Advance ``seq_lens`` after a successful forward (padding never counts)."""
@@ -165,6 +173,13 @@ class SlotKVCache:
                 f"length must be in [0, {int(self.seq_lens[slot])}] for slot {slot}, got {length}"
             )
         self.seq_lens[slot] = length
+
+
+def _first_if_consecutive(slot_ids: list[int]) -> int:
+    """``slot_ids[0]`` if ``slot_ids`` is ``first, first + 1, ...``, else ``NOT_CONSECUTIVE``."""
+    first = slot_ids[0]
+    is_consecutive = all(slot == first + i for i, slot in enumerate(slot_ids))
+    return first if is_consecutive else NOT_CONSECUTIVE
 
 
 def slot_attention_forward(

@@ -57,11 +57,13 @@ def test_prefill_then_single_token_decode_matches_full_forward(tiny_llama, dtype
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_ragged_multi_token_steps_match_full_forward(tiny_llama, dtype):
+@pytest.mark.parametrize("is_consecutive", [True, False], ids=["slot-view", "slot-gather"])
+def test_ragged_multi_token_steps_match_full_forward(tiny_llama, dtype, is_consecutive):
     runner = make_runner(tiny_llama, dtype, max_num_seqs=3)
     reference = tiny_llama(dtype=DTYPES[dtype])
     seqs = [random_tokens(40, seed=10 + i) for i in range(3)]
     slots = [runner.allocate_slot() for _ in range(3)]
+    slots = slots if is_consecutive else [slots[1], slots[2], slots[0]]
     cursor = [9, 2, 5]
     runner.prefill(slots, [s[:c] for s, c in zip(seqs, cursor)])
     refs = [full_logits(reference, s) for s in seqs]
