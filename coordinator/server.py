@@ -130,7 +130,7 @@ async def connect_engines(cfg: CoordinatorConfig) -> tuple[EngineClients, tuple[
     await asyncio.gather(*(wait_for_serving(a, cfg.engine_wait_s) for a in addresses))
     engines = EngineClients(cfg.drafter, cfg.verifier, cfg.rpc_timeout_s)
     stubs = [engines.verifier] + ([engines.drafter] if cfg.uses_drafter else [])
-    infos = await asyncio.gather(*(s.GetInfo(engine_pb2.EngineInfoRequest(), timeout=cfg.rpc_timeout_s) for s in stubs))
+    infos = await _release_stale_requests(engines, stubs, addresses, cfg.rpc_timeout_s)
     num_slots = min(info.num_free_slots for info in infos)
     if num_slots < 1:
         raise RuntimeError(f"engines report no free KV slot: {[info.num_free_slots for info in infos]}")
@@ -138,6 +138,21 @@ async def connect_engines(cfg: CoordinatorConfig) -> tuple[EngineClients, tuple[
         logger.info("engine %s: model %s, %d free slots, max_model_len %d", address, info.model,
                     info.num_free_slots, info.max_model_len)
     return engines, tuple(infos[0].eos_token_ids), num_slots
+
+
+async def _release_stale_requests(engines: EngineClients, stubs: list, addresses: list[str],
+                                  timeout_s: float) -> list[engine_pb2.EngineInfo]:
+    """Free slots still held from an earlier coordinator run (this coordinator owns every request
+    in its engines); returns the engines' ``EngineInfo`` afterwards."""
+    infos = await asyncio.gather(*(s.GetInfo(engine_pb2.EngineInfoRequest(), timeout=timeout_s) for s in stubs))
+    stale = [(stub, address, list(info.request_ids)) for stub, address, info in zip(stubs, addresses, infos)
+             if info.request_ids]
+    for stub, address, request_ids in stale:
+        logger.warning("engine %s holds %d stale requests; releasing them", address, len(request_ids))
+        await engines.release(stub, request_ids)
+    if not stale:
+        return list(infos)
+    return list(await asyncio.gather(*(s.GetInfo(engine_pb2.EngineInfoRequest(), timeout=timeout_s) for s in stubs)))
 
 
 async def start(cfg: CoordinatorConfig, servicer: CoordinatorServicer) -> tuple[Scheduler, asyncio.Task]:

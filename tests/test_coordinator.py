@@ -110,7 +110,8 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
 
     async def GetInfo(self, request, context):
         return engine_pb2.EngineInfo(model="toy", vocab_size=VOCAB, max_num_seqs=NUM_SLOTS,
-                                     num_free_slots=NUM_SLOTS - len(self.committed), eos_token_ids=[EOS])
+                                     num_free_slots=NUM_SLOTS - len(self.committed), eos_token_ids=[EOS],
+                                     request_ids=sorted(self.committed))
 
 
 class FakeDrafter(engine_pb2_grpc.DrafterServicer):
@@ -174,7 +175,8 @@ class FakeDrafter(engine_pb2_grpc.DrafterServicer):
 
     async def GetInfo(self, request, context):
         await self._check_up(context)
-        return engine_pb2.EngineInfo(model="toy-draft", num_free_slots=NUM_SLOTS - len(self.known), eos_token_ids=[EOS])
+        return engine_pb2.EngineInfo(model="toy-draft", num_free_slots=NUM_SLOTS - len(self.known), eos_token_ids=[EOS],
+                                     request_ids=sorted(self.known))
 
 
 async def _serve(add, servicer, name):
@@ -446,6 +448,7 @@ def test_main_serves_health_after_engines_and_drains_on_sigterm() -> None:
     async def main():
         verifier = FakeVerifier(0.002)
         drafter = FakeDrafter(verifier, 0.7, 0.002)
+        verifier.committed["one"], drafter.known["one"] = [1, 2], [1]  # left over by an earlier coordinator
         servers = [await _serve(engine_pb2_grpc.add_VerifierServicer_to_server, verifier, "minedraft.v1.Verifier"),
                    await _serve(engine_pb2_grpc.add_DrafterServicer_to_server, drafter, "minedraft.v1.Drafter")]
         port = _free_port()
