@@ -1,0 +1,100 @@
+"""Unit tests of the torch-free CLI pieces: stack config and service command lines, prompts
+loading and metrics, the demo table, and the CLI's argument handling."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from minedraft import cli
+from minedraft.client import GenerationResult, build_request
+from minedraft.demo import format_table
+from minedraft.prompts import load_prompts, percentile, summarize
+from minedraft.stack import StackConfig, build_service_specs
+from minedraft.v1 import common_pb2
+
+
+@pytest.mark.parametrize("field,value", [("mode", "fast"), ("num_speculative_tokens", 0), ("max_num_seqs", 0),
+                                         ("tensor_parallel_size", 0), ("data_plane", "nccl"), ("gateway_port", 0)])
+def test_stack_config_names_the_bad_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        StackConfig(**{field: value})
+
+
+def test_service_specs_psd_pins_engines_and_shares_settings():
+    cfg = StackConfig(mode="psd", num_speculative_tokens=3, max_num_seqs=4, draft="/d", max_model_len=512)
+    specs = {s.name: s for s in build_service_specs(cfg, "/target")}
+    assert list(specs) == ["verifier", "drafter", "coordinator", "gateway"]
+    assert specs["verifier"].cpus == (0,) and specs["drafter"].cpus == (1,)
+    for name in ("verifier", "drafter"):
+        argv = specs[name].argv
+        assert argv[argv.index("--max-num-seqs") + 1] == "8"  # 2m slots
+        assert argv[argv.index("--num-threads") + 1] == "1"
+        assert argv[argv.index("--max-model-len") + 1] == "512"
+    coord = specs["coordinator"].argv
+    assert coord[coord.index("--k") + 1] == "3" and coord[coord.index("--mode") + 1] == "psd"
+    gateway = specs["gateway"].argv
+    assert gateway[gateway.index("--tokenizer") + 1] == "/target"
+
+
+def test_service_specs_ar_has_no_drafter_and_tp_uses_torchrun():
+    specs = build_service_specs(StackConfig(mode="ar", tensor_parallel_size=2), "/target")
+    assert [s.name for s in specs] == ["verifier", "coordinator", "gateway"]
+    assert "torch.distributed.run" in specs[0].argv and "--nproc-per-node=2" in specs[0].argv
+
+
+def test_load_prompts_takes_first_turns(tmp_path):
+    path = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "turns": [f"first {i}", f"second {i}"]} for i in range(5)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert load_prompts(str(path), 3) == [("0", "first 0"), ("1", "first 1"), ("2", "first 2")]
+
+
+def test_percentile_interpolates():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert math.isnan(percentile([], 50))
+
+
+def _result(tokens: int, drafted: int, accepted: int, drafts: int, ttft: float, latency: float) -> GenerationResult:
+    usage = common_pb2.Usage(completion_tokens=tokens, num_draft_tokens=drafted, num_accepted_tokens=accepted,
+                             num_drafts=drafts)
+    return GenerationResult(usage=usage, ttft_s=ttft, latency_s=latency, finish_reason="length")
+
+
+def test_summarize_mean_acceptance_length_and_rates():
+    results = [_result(10, 12, 6, 3, 0.1, 1.0), _result(20, 16, 10, 4, 0.3, 2.0)]
+    metrics = summarize(results, wall_s=2.0)
+    assert metrics["output_tokens_per_s"] == 15.0 and metrics["requests_per_s"] == 1.0
+    assert metrics["mean_acceptance_length"] == pytest.approx(1 + 16 / 7)
+    assert metrics["acceptance_rate"] == pytest.approx(16 / 28)
+    assert metrics["ttft_ms_p50"] == pytest.approx(200.0) and metrics["latency_ms_p99"] == pytest.approx(1990.0)
+    assert summarize([_result(5, 0, 0, 0, 0.1, 0.2)], 1.0)["mean_acceptance_length"] == 1.0
+
+
+def test_demo_table_has_ratios():
+    table = format_table({"ar": {"output_tokens_per_s": 10.0, "mean_acceptance_length": 1.0, "ttft_ms_p50": 1.0,
+                                 "latency_ms_p50": 2.0, "latency_ms_p99": 3.0},
+                          "psd": {"output_tokens_per_s": 15.0, "mean_acceptance_length": 2.5, "ttft_ms_p50": 1.0,
+                                  "latency_ms_p50": 2.0, "latency_ms_p99": 3.0}})
+    assert "1.50x" in table.splitlines()[-1]
+
+
+def test_build_request_needs_exactly_one_input():
+    with pytest.raises(ValueError, match="prompt"):
+        build_request("a", prompt_token_ids=[1])
+    request = build_request(messages=[{"role": "user", "content": "hi"}], max_tokens=3, stop=["x"])
+    assert request.WhichOneof("input") == "messages" and list(request.sampling.stop) == ["x"]
+
+
+def test_cli_rejects_bad_values_and_stays_torch_free(capsys):
+    assert cli.main(["prompts", "/no/such/file.jsonl"]) == 2
+    assert "path" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["up", "--mode", "fast"])
+    code = ("import sys, minedraft.cli, minedraft.launcher, minedraft.prompts, minedraft.demo, minedraft.client; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
