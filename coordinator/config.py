@@ -46,6 +46,7 @@ class CoordinatorConfig:
         rpc_timeout_s: deadline of each engine RPC (seconds).
         engine_wait_s: seconds to wait at start-up for both engines to report SERVING.
         grace_s: seconds in-flight requests get to finish on SIGTERM.
+        metrics_port: port of the Prometheus ``/metrics`` HTTP endpoint; 0 = off.
     """
 
     mode: Mode = Mode.PSD
@@ -61,6 +62,7 @@ class CoordinatorConfig:
     rpc_timeout_s: float = 120.0
     engine_wait_s: float = 600.0
     grace_s: float = 5.0
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _enum_field("mode", Mode, self.mode))
@@ -75,6 +77,7 @@ class CoordinatorConfig:
         for name in ("drafter_retry_s", "rpc_timeout_s", "engine_wait_s"):
             _require(getattr(self, name) > 0, name, "must be > 0")
         _require(self.grace_s >= 0, "grace_s", "must be >= 0")
+        _require(0 <= self.metrics_port <= MAX_PORT, "metrics_port", f"must be in [0, {MAX_PORT}] (0 = off)")
 
     @property
     def max_num_running(self) -> int:

@@ -18,6 +18,8 @@ from coordinator.finish import FinishParams, FinishReason
 
 
 class RequestStatus(enum.Enum):
+    """Lifecycle of a request in the coordinator."""
+
     WAITING = "waiting"  # in the FIFO queue, holds no engine slot
     RUNNING = "running"  # holds a slot in the verifier (and the drafter when it drafts)
     FINISHED = "finished"  # stop / length / abort / error: nothing more is streamed

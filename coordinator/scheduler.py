@@ -33,6 +33,7 @@ from coordinator.config import CoordinatorConfig, DataPlaneKind, Mode
 from coordinator.engines import EngineClients
 from coordinator.fallback import DrafterLink
 from coordinator.finish import FinishReason, apply_finish
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.request import RequestState, RequestStatus
 from coordinator.stats import StepStats, StepTotals, emit_step_span
 
@@ -73,6 +74,7 @@ class Scheduler:
         self.batches = BatchManager()
         self.drafter_link = DrafterLink(cfg.uses_drafter, cfg.drafter_retry_s)
         self.totals = StepTotals()
+        self.metrics = CoordinatorMetrics()
         self.step_id = 0
         self._to_release: set[str] = set()
         self._num_draft_calls = 0
@@ -221,13 +223,13 @@ class Scheduler:
             raise results[0]
         response, _ = results[0]
         times.verify_ms, times.data_plane_ms = response.verify_ms, times.data_plane_ms + response.data_plane_ms
-        num_emitted, num_accepted = self._postprocess(verify_reqs, drafts, response)
+        num_emitted, accepted = self._postprocess(verify_reqs, drafts, response)
         is_parallel = mode == Mode.PSD and bool(ahead_reqs) and self.mode == Mode.PSD
         if mode == Mode.PSD and ahead_reqs:
             self.batches.flip()
         elif mode == Mode.PSD:
             self.batches.mark_started()
-        return self._record(mode, verify_reqs, drafts, times, num_accepted, num_emitted, start, is_parallel)
+        return self._record(mode, verify_reqs, drafts, times, accepted, num_emitted, start, is_parallel)
 
     def _schedule(self, mode: Mode) -> tuple[list[RequestState], list[RequestState]]:
         """(requests to verify now, requests to draft ahead for the next step)."""
@@ -255,11 +257,11 @@ class Scheduler:
         times.data_plane_ms += result.data_plane_ms
         times.num_drafted += len(requests)
 
-    def _postprocess(self, verify_reqs, drafts, response: engine_pb2.VerifyResponse) -> tuple[int, int]:
-        """Commit each verified request's tokens; returns (tokens emitted, draft tokens accepted)."""
+    def _postprocess(self, verify_reqs, drafts, response: engine_pb2.VerifyResponse) -> tuple[int, list[int]]:
+        """Commit each verified request's tokens; returns (tokens emitted, accepted count per request)."""
         outputs = {out.request_id: out for out in response.outputs}
         k = len(drafts[0].token_ids) if drafts else 0
-        num_emitted = num_accepted = 0
+        num_emitted, accepted = 0, []
         for request in verify_reqs:
             request.drafts = None
             out = outputs.get(request.request_id)
@@ -271,8 +273,8 @@ class Scheduler:
             before = len(request.output_token_ids)
             self._commit(request, list(out.token_ids), list(out.logprobs), k, out.num_accepted)
             num_emitted += len(request.output_token_ids) - before
-            num_accepted += out.num_accepted
-        return num_emitted, num_accepted
+            accepted.append(out.num_accepted)
+        return num_emitted, accepted
 
     def _commit(self, request: RequestState, token_ids: list[int], logprobs: list[float], k: int,
                 num_accepted: int) -> bool:
@@ -290,17 +292,20 @@ class Scheduler:
             self._retire(request, reason)
         return reason is None
 
-    def _record(self, mode, verify_reqs, drafts, times, num_accepted, num_emitted, start, is_parallel) -> StepStats:
+    def _record(self, mode, verify_reqs, drafts, times, accepted, num_emitted, start, is_parallel) -> StepStats:
         k = len(drafts[0].token_ids) if drafts else 0
         wall_ms = (time.perf_counter() - start) * 1e3
         stats = StepStats(
             mode=str(mode), step_id=self.step_id, num_verify=len(verify_reqs), num_draft=times.num_drafted, k=k,
-            num_draft_tokens=k * len(verify_reqs), num_accepted_tokens=num_accepted, num_emitted_tokens=num_emitted,
+            num_draft_tokens=k * len(accepted), num_accepted_tokens=sum(accepted), num_emitted_tokens=num_emitted,
             draft_ms=times.draft_ms, verify_ms=times.verify_ms, data_plane_ms=times.data_plane_ms,
             idle_ms=max(wall_ms - times.verify_ms, 0.0), wall_ms=wall_ms, is_parallel=is_parallel,
         )
         self.totals.record(stats)
         emit_step_span(stats)
+        self.metrics.observe_step(stats, accepted if k else [])
+        self.metrics.observe_state(self.batches.batch_sizes(), self.batches.balance, len(self.running),
+                                   len(self.waiting), self.is_drafter_available)
         return stats
 
     # ------------------------------------------------------------------ retire, failures

@@ -21,6 +21,7 @@ from minedraft.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, engi
 from coordinator.config import CoordinatorConfig
 from coordinator.engines import EngineClients
 from coordinator.finish import FinishParams
+from coordinator.metrics import serve_metrics
 from coordinator.request import RequestState
 from coordinator.scheduler import QueueFullError, Scheduler
 
@@ -173,6 +174,9 @@ async def serve(cfg: CoordinatorConfig) -> None:
     logger.info("coordinator listening on %s:%d (mode %s, k %d, m %d)", cfg.host, port, cfg.mode,
                 cfg.num_speculative_tokens, cfg.max_num_seqs)
     scheduler, task = await start(cfg, servicer)
+    if cfg.metrics_port:
+        serve_metrics(scheduler.metrics, cfg.metrics_port, cfg.host)
+        logger.info("metrics on http://%s:%d/metrics", cfg.host, cfg.metrics_port)
     await health.set_serving()
     try:
         await serve_until_signal(server, health, grace_s=cfg.grace_s, on_drain=servicer.drain)

@@ -22,7 +22,7 @@ class StepStats:
         num_verify: requests verified (or decoded) this step.
         num_draft: requests drafted this step (both the batch verified now and the skip batch).
         k: draft tokens per request in the verify (0 = plain decode).
-        num_draft_tokens: draft tokens verified this step (num_verify * k).
+        num_draft_tokens: draft tokens verified this step (k per request still running).
         num_accepted_tokens: of those, accepted by the rejection sampler.
         num_emitted_tokens: tokens streamed to clients this step (after finish truncation).
         draft_ms: drafter compute time reported by drafter_svc, summed over Draft calls (ms).

@@ -17,6 +17,7 @@ import signal
 import socket
 import struct
 import sys
+import urllib.request
 
 import grpc
 import pytest
@@ -294,6 +295,12 @@ def test_greedy_output_equals_reference_in_every_mode(mode: str) -> None:
             else:
                 assert status.num_accepted_tokens > 0 and status.num_draft_tokens > status.num_accepted_tokens
             assert (status.num_parallel_steps > status.num_steps // 2) if mode == "psd" else status.num_parallel_steps == 0
+            metric = h.scheduler.metrics.registry.get_sample_value
+            assert metric("minedraft:spec_decode_num_draft_tokens_total") == status.num_draft_tokens
+            assert metric("minedraft:spec_decode_num_accepted_tokens_total") == status.num_accepted_tokens
+            if mode != "ar":
+                per_pos = [metric("minedraft:spec_decode_num_accepted_tokens_per_pos_total", {"position": str(p)}) for p in range(3)]
+                assert sum(per_pos) == status.num_accepted_tokens and per_pos == sorted(per_pos, reverse=True)
 
     asyncio.run(main())
 
@@ -406,7 +413,7 @@ def test_invalid_and_excess_requests_get_errors() -> None:
 @pytest.mark.parametrize(
     "bad",
     [{"mode": "fast"}, {"num_speculative_tokens": 0}, {"max_num_seqs": 0}, {"drafter": "nohost"},
-     {"port": 70000}, {"data_plane": "nccl"}, {"max_queue_len": 0}, {"rpc_timeout_s": 0}, {"grace_s": -1}],
+     {"port": 70000}, {"metrics_port": -1}, {"data_plane": "nccl"}, {"max_queue_len": 0}, {"rpc_timeout_s": 0}, {"grace_s": -1}],
 )
 def test_config_validation_names_the_field(bad: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
@@ -451,10 +458,11 @@ def test_main_serves_health_after_engines_and_drains_on_sigterm() -> None:
         verifier.committed["one"], drafter.known["one"] = [1, 2], [1]  # left over by an earlier coordinator
         servers = [await _serve(engine_pb2_grpc.add_VerifierServicer_to_server, verifier, "minedraft.v1.Verifier"),
                    await _serve(engine_pb2_grpc.add_DrafterServicer_to_server, drafter, "minedraft.v1.Drafter")]
-        port = _free_port()
+        port, metrics_port = _free_port(), _free_port()
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "coordinator", "--mode", "psd", "--k", "2", "--max-num-seqs", "2",
-            "--verifier", servers[0][1], "--drafter", servers[1][1], "--port", str(port), "--engine-wait", "30")
+            "--verifier", servers[0][1], "--drafter", servers[1][1], "--port", str(port), "--engine-wait", "30",
+            "--metrics-port", str(metrics_port))
         try:
             await wait_for_serving(f"127.0.0.1:{port}", timeout_s=60, service=SERVICE_NAME)
             async with aio_channel(f"127.0.0.1:{port}") as channel:
@@ -465,6 +473,9 @@ def test_main_serves_health_after_engines_and_drains_on_sigterm() -> None:
                 assert tokens == _expected([3, 4], {"max_tokens": 9})
                 status = await stub.GetStatus(coordinator_pb2.StatusRequest())
                 assert status.mode == "psd" and status.num_speculative_tokens == 2 and status.max_num_running == 4
+            url = f"http://127.0.0.1:{metrics_port}/metrics"
+            body = (await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())).decode()
+            assert f"minedraft:spec_decode_num_draft_tokens_total {float(status.num_draft_tokens)}" in body
             process.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(process.wait(), timeout=30) == 0
         finally:

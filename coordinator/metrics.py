@@ -1,0 +1,76 @@
+"""Prometheus metrics of the coordinator, named like vLLM's speculative-decoding metrics.
+
+vLLM (V1) exports ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
+``..._num_accepted_tokens`` and ``..._num_accepted_tokens_per_pos``; the same counters are
+exported here under the ``minedraft:`` prefix, plus PSD's own (DESIGN.md §6): steps by mode and
+whether both batches were busy (parallel-step ratio = parallel / all), draft vs verify vs
+data-plane time per step, batch sizes and balance (MineDraft paper §5.1). Mean acceptance length
+= 1 + num_accepted_tokens / num_drafts.
+
+Each :class:`CoordinatorMetrics` has its own registry, so several coordinators (tests) can live
+in one process; ``serve_metrics`` exposes it over HTTP (``/metrics``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from coordinator.stats import StepStats
+
+_PREFIX = "minedraft:"
+_STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class CoordinatorMetrics:
+    """Counters, histograms and gauges updated once per step."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.num_drafts = Counter(f"{_PREFIX}spec_decode_num_drafts", "Verified drafts (one per request and verify step with k > 0).", registry=r)
+        self.num_draft_tokens = Counter(f"{_PREFIX}spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r)
+        self.num_accepted_tokens = Counter(f"{_PREFIX}spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
+        self.num_accepted_per_pos = Counter(f"{_PREFIX}spec_decode_num_accepted_tokens_per_pos",
+                                            "Accepted draft tokens by position (0-based).", ["position"], registry=r)
+        self.num_generation_tokens = Counter(f"{_PREFIX}generation_tokens", "Output tokens streamed by steps.", registry=r)
+        self.num_steps = Counter(f"{_PREFIX}coordinator_steps", "Coordinator steps.", ["mode", "parallel"], registry=r)
+        self.step_seconds = Histogram(f"{_PREFIX}coordinator_step_seconds", "Time per step by phase (s).", ["phase"],
+                                      buckets=_STEP_BUCKETS_S, registry=r)
+        self.batch_size = Gauge(f"{_PREFIX}psd_batch_size", "Requests per PSD batch.", ["batch"], registry=r)
+        self.batch_balance = Gauge(f"{_PREFIX}psd_batch_balance", "|batch 1| - |batch 0|.", registry=r)
+        self.num_running = Gauge(f"{_PREFIX}num_requests_running", "Running requests.", registry=r)
+        self.num_waiting = Gauge(f"{_PREFIX}num_requests_waiting", "Waiting requests.", registry=r)
+        self.is_drafter_available = Gauge(f"{_PREFIX}drafter_available", "1 if the drafter is in use.", registry=r)
+
+    def observe_step(self, stats: StepStats, num_accepted_per_request: Sequence[int]) -> None:
+        """Record one step; ``num_accepted_per_request`` has one entry per verified draft."""
+        self.num_steps.labels(mode=stats.mode, parallel=str(stats.is_parallel).lower()).inc()
+        self.num_generation_tokens.inc(stats.num_emitted_tokens)
+        for phase, ms in (("draft", stats.draft_ms), ("verify", stats.verify_ms),
+                          ("data_plane", stats.data_plane_ms), ("idle", stats.idle_ms), ("wall", stats.wall_ms)):
+            self.step_seconds.labels(phase=phase).observe(ms / 1e3)
+        if stats.k == 0:
+            return
+        self.num_drafts.inc(len(num_accepted_per_request))
+        self.num_draft_tokens.inc(stats.k * len(num_accepted_per_request))
+        self.num_accepted_tokens.inc(sum(num_accepted_per_request))
+        for position in range(stats.k):
+            self.num_accepted_per_pos.labels(position=str(position)).inc(
+                sum(1 for num_accepted in num_accepted_per_request if num_accepted > position))
+
+    def observe_state(self, batch_sizes: tuple[int, int], balance: int, num_running: int, num_waiting: int,
+                      is_drafter_available: bool) -> None:
+        """Set the gauges of the queue and Batch Manager state."""
+        for index, size in enumerate(batch_sizes):
+            self.batch_size.labels(batch=str(index)).set(size)
+        self.batch_balance.set(balance)
+        self.num_running.set(num_running)
+        self.num_waiting.set(num_waiting)
+        self.is_drafter_available.set(int(is_drafter_available))
+
+
+def serve_metrics(metrics: CoordinatorMetrics, port: int, host: str = "127.0.0.1") -> None:
+    """Expose ``metrics`` at http://host:port/metrics (prometheus_client's HTTP server thread)."""
+    start_http_server(port, addr=host, registry=metrics.registry)
