@@ -1,0 +1,352 @@
+"""``minedraft distill``: train a small draft model for a target by knowledge distillation.
+
+Recipe (issue 4; distillation for speculative decoding after DistillSpec, Zhou et al. 2024, Sec. 3):
+
+1. Prompts from arena_hard, mt_bench and fastchat_sample (chat template); prompts that also occur
+   in Spec-Bench (the evaluation set) are dropped. A held-out share is kept for evaluation.
+2. The TARGET generates the responses (one greedy plus ``--num-samples`` sampled per prompt).
+3. One target forward per sequence keeps the top-``k`` next-token logits at response positions.
+4. The draft (``--init-layers`` copied from the target, embeddings and LM head shared and frozen)
+   minimises ``KL(p_target || q_draft)`` with ``p`` renormalised over the kept top-k tokens:
+   ``L = sum_v p(v) (log p(v) - log q(v))`` averaged over response tokens.
+5. Summary: final loss, tokens, wall time (s), greedy top-1 agreement with the target on the
+   held-out prompts (teacher-forced over target greedy responses).
+
+Resumable: generated data, teacher logits and (step, weights, optimizer) checkpoints live in
+``--work-dir``; rerunning the same command continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdec import draft_format as fmt
+
+DEFAULT_DATA_DIR = "/work/shared/data"
+TRAIN_FILES = ("arena_hard/arena-hard-v0.1_question.jsonl", "arena_hard/arena-hard-v2.0_question.jsonl",
+               "mt_bench/question.jsonl", "fastchat_sample/vicuna_bench_question.jsonl",
+               "fastchat_sample/dummy_conversation_sharegpt_format.json")
+EVAL_FILE = "spec_bench/question.jsonl"
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Training settings (see ``--help``). Raises ValueError naming a bad field."""
+
+    target: str
+    out_dir: str
+    gguf_file: str | None = None
+    work_dir: str | None = None
+    data_dir: str = DEFAULT_DATA_DIR
+    init_layers: tuple[int, ...] = ()
+    num_layers: int = 2
+    max_prompts: int = 600
+    num_heldout: int = 24
+    max_prompt_tokens: int = 384
+    max_new_tokens: int = 128
+    num_samples: int = 0
+    sample_temperature: float = 0.8
+    top_k_logits: int = 64
+    gen_batch_size: int = 16
+    batch_size: int = 8
+    num_epochs: int = 3
+    lr: float = 5e-4
+    seed: int = 0
+    device: str = "auto"
+    save_dtype: str = "bfloat16"
+    record_target: str | None = None
+    checkpoint_every: int = 200
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "max_prompts", "max_prompt_tokens", "max_new_tokens", "top_k_logits",
+                     "gen_batch_size", "batch_size", "num_epochs", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_samples < 0 or self.num_heldout < 0:
+            raise ValueError("num_samples and num_heldout must be >= 0")
+        if not self.lr > 0 or not self.sample_temperature > 0:
+            raise ValueError("lr and sample_temperature must be > 0")
+        if self.init_layers and len(self.init_layers) != self.num_layers:
+            raise ValueError(f"init_layers must have num_layers={self.num_layers} entries")
+        if self.save_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"save_dtype must be bfloat16 or float32, got {self.save_dtype!r}")
+
+
+def default_init_layers(num_target_layers: int, num_layers: int) -> tuple[int, ...]:
+    """Evenly spaced target layers, always including the first and the last."""
+    if num_layers == 1:
+        return (0,)
+    step = (num_target_layers - 1) / (num_layers - 1)
+    return tuple(round(i * step) for i in range(num_layers))
+
+
+def load_prompts(data_dir: str, files=TRAIN_FILES, exclude_file: str | None = EVAL_FILE) -> list[str]:
+    """User prompts (first turn) of ``files``, minus any that occur in ``exclude_file``."""
+    excluded = set()
+    if exclude_file and os.path.exists(os.path.join(data_dir, exclude_file)):
+        excluded = {t for row in _read_rows(os.path.join(data_dir, exclude_file)) for t in row.get("turns", [])}
+    prompts = []
+    for name in files:
+        path = os.path.join(data_dir, name)
+        if os.path.exists(path):
+            prompts += [p for p in map(_first_turn, _read_rows(path)) if p and p not in excluded]
+    return list(dict.fromkeys(prompts))
+
+
+def _read_rows(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f) if path.endswith(".json") else [json.loads(line) for line in f if line.strip()]
+
+
+def _first_turn(row: dict) -> str | None:
+    if "prompt" in row:
+        return row["prompt"]
+    if "turns" in row:
+        return row["turns"][0]
+    human = [c["value"] for c in row.get("conversations", []) if c.get("from") == "human"]
+    return human[0] if human else None
+
+
+def encode_prompts(tokenizer, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """Chat-template token ids of each prompt; prompts over ``max_tokens`` are dropped."""
+    ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False) for p in prompts]
+    return [list(x) for x in ids if len(x) <= max_tokens]
+
+
+@torch.no_grad()
+def generate_responses(model, prompts: list[list[int]], cfg: DistillConfig, eos_ids, pad_id: int,
+                       temperature: float) -> list[tuple[list[int], list[int]]]:
+    """Target responses ``(prompt_ids, response_ids)``; greedy when ``temperature == 0``."""
+    out = []
+    for start in tqdm(range(0, len(prompts), cfg.gen_batch_size), desc=f"generate T={temperature}"):
+        batch = prompts[start:start + cfg.gen_batch_size]
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
+        gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
+                             do_sample=temperature > 0, temperature=temperature or None, top_p=None,
+                             top_k=None, eos_token_id=list(eos_ids), pad_token_id=pad_id)
+        for p, row in zip(batch, gen[:, width:].tolist()):
+            cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+            out.append((p, row[:cut]))
+    return out
+
+
+def pad_batch(pairs, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``input_ids [b, T]``, ``attention_mask [b, T]``, ``is_response [b, T]``.
+
+    ``is_response[i, t]`` marks positions whose next token is a response token (the trained ones).
+    """
+    width = max(len(p) + len(r) for p, r in pairs)
+    ids = torch.zeros(len(pairs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    is_resp = torch.zeros_like(ids, dtype=torch.bool)
+    for i, (p, r) in enumerate(pairs):
+        n = len(p) + len(r)
+        ids[i, :n] = torch.tensor(p + r)
+        mask[i, :n] = 1
+        is_resp[i, len(p) - 1:n - 1] = True
+    return ids.to(device), mask.to(device), is_resp.to(device)
+
+
+@torch.no_grad()
+def teacher_topk(target, pairs, cfg: DistillConfig, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sequence: target top-k logits ``[n_resp, k]`` (fp16) and token ids ``[n_resp, k]`` (int32)."""
+    out = []
+    for start in tqdm(range(0, len(pairs), cfg.batch_size), desc="teacher logits"):
+        batch = pairs[start:start + cfg.batch_size]
+        ids, mask, is_resp = pad_batch(batch, device)
+        logits = target(input_ids=ids, attention_mask=mask).logits.float()
+        vals, idx = logits.topk(cfg.top_k_logits, dim=-1)
+        for i in range(len(batch)):
+            out.append((vals[i][is_resp[i]].half().cpu(), idx[i][is_resp[i]].int().cpu()))
+    return out
+
+
+def distill_loss(draft_logits: torch.Tensor, top_vals: torch.Tensor, top_idx: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of ``KL(p || q)``, ``p = softmax(top_vals)`` on the top-k support.
+
+    Args: draft logits ``[N, V]``, teacher top-k logits ``[N, k]`` and ids ``[N, k]``.
+    """
+    log_p = F.log_softmax(top_vals.float(), dim=-1)
+    log_q = F.log_softmax(draft_logits.float(), dim=-1).gather(-1, top_idx.long())
+    return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+
+
+def train_step(draft, batch_pairs, batch_teacher, device) -> tuple[torch.Tensor, int]:
+    """Loss of one batch (not yet backpropagated) and its number of response tokens."""
+    ids, mask, is_resp = pad_batch(batch_pairs, device)
+    hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state[is_resp]
+    logits = draft.lm_head(hidden)
+    vals = torch.cat([v for v, _ in batch_teacher]).to(device)
+    idx = torch.cat([i for _, i in batch_teacher]).to(device)
+    return distill_loss(logits, vals, idx), int(is_resp.sum())
+
+
+@torch.no_grad()
+def top1_agreement(draft, target, pairs, device, batch_size: int) -> float:
+    """Share of response positions where draft argmax == target argmax (teacher-forced)."""
+    hits, total = 0, 0
+    for start in range(0, len(pairs), batch_size):
+        ids, mask, is_resp = pad_batch(pairs[start:start + batch_size], device)
+        t = target(input_ids=ids, attention_mask=mask).logits.argmax(-1)[is_resp]
+        d = draft(input_ids=ids, attention_mask=mask).logits.argmax(-1)[is_resp]
+        hits, total = hits + int((t == d).sum()), total + t.numel()
+    return hits / max(total, 1)
+
+
+def _cached(path: str, make):
+    if os.path.exists(path):
+        return torch.load(path, weights_only=False)
+    value = make()
+    torch.save(value, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return value
+
+
+def load_target(cfg: DistillConfig, device: str):
+    """Target model (eval, frozen) and tokenizer; aliases resolved by ``specdec.loader``."""
+    path, gguf = cfg.target, cfg.gguf_file
+    if not os.path.isdir(path):
+        from specdec.config import ModelConfig
+        from specdec.loader import resolve_model_dir
+        path, gguf = resolve_model_dir(ModelConfig(model=cfg.target, gguf_file=cfg.gguf_file)), None
+    kwargs = {"gguf_file": gguf} if gguf else {}
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    torch.backends.cuda.matmul.allow_tf32 = True  # fp32 target; TF32 matmuls on GPU
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).to(device).eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+def build_dataset(cfg: DistillConfig, target, tokenizer, device: str):
+    """(train pairs, train teacher top-k, held-out pairs), cached in the work dir."""
+    prompts = load_prompts(cfg.data_dir)
+    random.Random(cfg.seed).shuffle(prompts)
+    encoded = encode_prompts(tokenizer, prompts, cfg.max_prompt_tokens)[:cfg.max_prompts + cfg.num_heldout]
+    heldout, train = encoded[:cfg.num_heldout], encoded[cfg.num_heldout:]
+    eos = tuple({tokenizer.eos_token_id, *([target.generation_config.eos_token_id] if isinstance(
+        target.generation_config.eos_token_id, int) else target.generation_config.eos_token_id or [])} - {None})
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    work = cfg.work_dir
+
+    def gen(ps, temp):
+        return generate_responses(target, ps, cfg, eos, pad, temp)
+
+    pairs = _cached(os.path.join(work, "greedy.pt"), lambda: gen(train, 0.0))
+    for s in range(cfg.num_samples):
+        torch.manual_seed(cfg.seed + 1 + s)
+        pairs = pairs + _cached(os.path.join(work, f"sampled{s}.pt"), lambda: gen(train, cfg.sample_temperature))
+    pairs = [p for p in pairs if p[1]]
+    teacher = _cached(os.path.join(work, "teacher.pt"), lambda: teacher_topk(target, pairs, cfg, device))
+    held = _cached(os.path.join(work, "heldout.pt"), lambda: gen(heldout, 0.0))
+    return pairs, teacher, held
+
+
+def train(cfg: DistillConfig, draft, pairs, teacher, device: str, tag: str) -> dict:
+    """AdamW + cosine schedule over ``num_epochs``; resumes from ``work_dir/ckpt_<tag>.pt``."""
+    params = [p for n, p in draft.named_parameters() if n.startswith(fmt.OWN_WEIGHT_PREFIXES)]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    steps_per_epoch = math.ceil(len(pairs) / cfg.batch_size)
+    num_steps = steps_per_epoch * cfg.num_epochs
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / num_steps, 1.0))))
+    ckpt_path, step, num_tokens, losses = os.path.join(cfg.work_dir, f"ckpt_{tag}.pt"), 0, 0, []
+    if os.path.exists(ckpt_path):
+        ck = torch.load(ckpt_path, weights_only=False)
+        draft.load_state_dict(ck["draft"], strict=False)
+        opt.load_state_dict(ck["opt"])
+        sched.load_state_dict(ck["sched"])
+        step, num_tokens, losses = ck["step"], ck["num_tokens"], ck["losses"]
+    draft.train()
+    bar = tqdm(total=num_steps, initial=step, desc="distill")
+    while step < num_steps:
+        epoch, pos = divmod(step, steps_per_epoch)
+        order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch)).tolist()
+        sel = order[pos * cfg.batch_size:(pos + 1) * cfg.batch_size]
+        loss, n = train_step(draft, [pairs[i] for i in sel], [teacher[i] for i in sel], device)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        step, num_tokens = step + 1, num_tokens + n
+        losses.append(loss.item())
+        bar.update(1)
+        bar.set_postfix(kl=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}")
+        if step % cfg.checkpoint_every == 0 or step == num_steps:
+            torch.save({"draft": fmt.own_state_dict(draft), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "step": step, "num_tokens": num_tokens, "losses": losses}, ckpt_path)
+    bar.close()
+    draft.eval()
+    tail = losses[-max(1, steps_per_epoch // 4):]
+    return {"first_kl": losses[0] if losses else None, "final_kl": sum(tail) / len(tail),
+            "num_steps": step, "num_train_tokens": num_tokens}
+
+
+def run(cfg: DistillConfig) -> dict:
+    """Full pipeline; writes the draft to ``cfg.out_dir`` and returns the summary dict."""
+    t0 = time.perf_counter()
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    if cfg.work_dir is None:
+        cfg = replace(cfg, work_dir=os.path.join(cfg.out_dir, ".distill_work"))
+    os.makedirs(cfg.work_dir, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    target, tokenizer = load_target(cfg, device)
+    pairs, teacher, held = build_dataset(cfg, target, tokenizer, device)
+    layers = cfg.init_layers or default_init_layers(target.config.num_hidden_layers, cfg.num_layers)
+    draft = fmt.build_draft_from_target(target, list(layers)).float()
+    agree_before = top1_agreement(draft, target, held, device, cfg.batch_size)
+    summary = train(cfg, draft, pairs, teacher, device, tag="-".join(map(str, layers)))
+    summary.update(top1_agreement_heldout=top1_agreement(draft, target, held, device, cfg.batch_size),
+                   top1_agreement_heldout_before=agree_before, num_train_sequences=len(pairs),
+                   num_heldout_sequences=len(held), wall_time_s=round(time.perf_counter() - t0, 1),
+                   seed=cfg.seed, device=device, lr=cfg.lr, num_epochs=cfg.num_epochs,
+                   top_k_logits=cfg.top_k_logits, max_new_tokens=cfg.max_new_tokens)
+    meta = fmt.DraftMeta(target=cfg.record_target or cfg.target, target_fingerprint=fmt.embedding_fingerprint(
+        target.model.embed_tokens.weight), num_layers=len(layers), init_layers=tuple(layers),
+        target_gguf_file=None if cfg.record_target else cfg.gguf_file, training=summary)
+    fmt.save_draft(draft, cfg.out_dir, meta, dtype=getattr(torch, cfg.save_dtype))
+    return summary
+
+
+def parse_args(argv: list[str] | None) -> DistillConfig:
+    """Command line -> :class:`DistillConfig`."""
+    ap = argparse.ArgumentParser(prog="minedraft distill", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="smollm2-135m-instruct", help="alias or HF/GGUF dir of the target")
+    ap.add_argument("--out", required=True, dest="out_dir", help="draft directory to write")
+    ap.add_argument("--init-layers", default="", help="comma-separated target layers (default: evenly spaced)")
+    for f in DistillConfig.__dataclass_fields__.values():
+        if f.name in ("target", "out_dir", "init_layers"):
+            continue
+        kind = type(f.default) if f.default is not None else str
+        ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
+    ns = vars(ap.parse_args(argv))
+    ns["init_layers"] = tuple(int(x) for x in ns["init_layers"].split(",") if x.strip())
+    if ns["init_layers"]:
+        ns["num_layers"] = len(ns["init_layers"])
+    return DistillConfig(**ns)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry (``minedraft distill`` / ``python -m specdec.distill``); prints the JSON summary."""
+    summary = run(parse_args(argv))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

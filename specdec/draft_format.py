@@ -1,0 +1,285 @@
+"""MineDraft draft directory: a small draft model that borrows the target's embeddings and LM head.
+
+A draft directory holds
+
+- ``minedraft_draft.json``: format version, target (alias or path), target fingerprint,
+  ``num_layers`` and the target layers that initialised the draft (``init_layers``);
+- ``config.json``: the draft's ``LlamaConfig`` (``num_hidden_layers = num_layers``);
+- ``model.safetensors``: ONLY the draft's own weights (``model.layers.*`` and ``model.norm``).
+
+At load time the token embeddings ``[vocab, hidden]`` and the LM head ``[vocab, hidden]`` are
+taken from the named target and shared by reference (the issue 4 design; EAGLE, Li et al. 2024,
+Sec. 4, shares them the same way). A draft is refused with ``IncompatibleDraftError`` when the
+target's embeddings do not match the fingerprint recorded at training time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from specdec.errors import IncompatibleDraftError
+
+DRAFT_META_FILE = "minedraft_draft.json"
+DRAFT_WEIGHTS_FILE = "model.safetensors"
+FORMAT_VERSION = 1
+NUM_PROBE_ROWS = 64
+PROBE_SEED = 1234
+PROBE_RTOL = 1e-2  # bf16 vs fp32 storage of the same target stays far inside this
+EMBED_KEY_SUFFIX = "embed_tokens.weight"
+LM_HEAD_KEY = "lm_head.weight"
+OWN_WEIGHT_PREFIXES = ("model.layers.", "model.norm.")
+
+
+@dataclass(frozen=True)
+class DraftMeta:
+    """Contents of ``minedraft_draft.json``.
+
+    Attributes:
+        target: target alias (e.g. ``"smollm2-135m-instruct"``) or path of its HF dir.
+        target_fingerprint: output of :func:`embedding_fingerprint` for the target.
+        num_layers: number of draft decoder layers.
+        init_layers: target layer indices that initialised draft layers ``0..num_layers-1``.
+        target_gguf_file: GGUF file name when ``target`` is a dir holding a GGUF file.
+        training: free-form training summary (loss, tokens, seed, ...).
+        format_version: ``FORMAT_VERSION`` of the writer.
+    """
+
+    target: str
+    target_fingerprint: dict
+    num_layers: int
+    init_layers: tuple[int, ...]
+    target_gguf_file: str | None = None
+    training: dict = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if not self.target:
+            raise ValueError("target must be a non-empty alias or path")
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if len(self.init_layers) != self.num_layers:
+            raise ValueError(f"init_layers must have num_layers={self.num_layers} entries")
+        if self.format_version != FORMAT_VERSION:
+            raise ValueError(f"format_version {self.format_version} unsupported (want {FORMAT_VERSION})")
+
+
+def is_draft_dir(path: str) -> bool:
+    """True when ``path`` is a directory holding ``minedraft_draft.json``."""
+    return os.path.isfile(os.path.join(path, DRAFT_META_FILE))
+
+
+def read_meta(draft_dir: str) -> DraftMeta:
+    """Read ``minedraft_draft.json``. Raises FileNotFoundError, ValueError (bad contents)."""
+    with open(os.path.join(draft_dir, DRAFT_META_FILE), encoding="utf-8") as f:
+        raw = json.load(f)
+    raw["init_layers"] = tuple(raw["init_layers"])
+    return DraftMeta(**raw)
+
+
+def embedding_fingerprint(embed: torch.Tensor) -> dict:
+    """Cheap identity of a target: shape, sha256 of its bf16 embedding bytes, and a probe.
+
+    Args:
+        embed: token embedding matrix ``[vocab, hidden]``, any float dtype/device.
+    Returns:
+        ``{"shape", "sha256_bf16", "probe"}``; ``probe`` = ``NUM_PROBE_ROWS`` projections of
+        evenly spaced rows on a fixed random direction, tolerant to storage dtype (fp32/bf16).
+    """
+    weight = embed.detach().to("cpu", torch.float32)
+    digest = hashlib.sha256(weight.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return {"shape": list(weight.shape), "sha256_bf16": digest.hexdigest(), "probe": _probe(weight)}
+
+
+def _probe(weight: torch.Tensor) -> list[float]:
+    gen = torch.Generator().manual_seed(PROBE_SEED)
+    direction = torch.randn(weight.shape[1], generator=gen, dtype=torch.float64)
+    rows = torch.linspace(0, weight.shape[0] - 1, NUM_PROBE_ROWS).long()
+    return (weight[rows].double() @ direction).tolist()
+
+
+def check_fingerprint(expected: dict, embed: torch.Tensor) -> None:
+    """Raise IncompatibleDraftError unless ``embed`` is the embedding the draft was trained on."""
+    actual = embedding_fingerprint(embed)
+    if list(expected["shape"]) != actual["shape"]:
+        raise IncompatibleDraftError(f"target embedding shape {actual['shape']} != {expected['shape']}")
+    if expected["sha256_bf16"] == actual["sha256_bf16"]:
+        return
+    want, got = torch.tensor(expected["probe"]), torch.tensor(actual["probe"])
+    scale = want.abs().mean().clamp_min(1e-12)
+    if not torch.allclose(got, want, rtol=PROBE_RTOL, atol=PROBE_RTOL * float(scale)):
+        raise IncompatibleDraftError(
+            "the target's token embeddings do not match the ones this draft was trained with "
+            f"(sha256 {actual['sha256_bf16'][:12]} != {expected['sha256_bf16'][:12]})"
+        )
+
+
+def read_target_embeddings(target_dir: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Read ``embed_tokens.weight`` and ``lm_head.weight`` (None if tied/absent) from safetensors.
+
+    Raises FileNotFoundError when ``target_dir`` holds no safetensors file with the embeddings.
+    """
+    embed, head = None, None
+    for name in sorted(os.listdir(target_dir)):
+        if not name.endswith(".safetensors"):
+            continue
+        with safe_open(os.path.join(target_dir, name), framework="pt") as f:
+            for key in f.keys():
+                if key.endswith(EMBED_KEY_SUFFIX) and embed is None:
+                    embed = f.get_tensor(key)
+                elif key == LM_HEAD_KEY:
+                    head = f.get_tensor(key)
+    if embed is None:
+        raise FileNotFoundError(f"no '{EMBED_KEY_SUFFIX}' in safetensors files of {target_dir}")
+    return embed, head
+
+
+def draft_config_from_target(target_config: LlamaConfig, num_layers: int) -> LlamaConfig:
+    """Copy of the target's Llama config with ``num_hidden_layers = num_layers``."""
+    cfg = LlamaConfig.from_dict(target_config.to_dict())
+    cfg.num_hidden_layers = num_layers
+    cfg.layer_types = None if getattr(cfg, "layer_types", None) is None else ["full_attention"] * num_layers
+    return cfg
+
+
+def build_draft_from_target(target: PreTrainedModel, layers: list[int]) -> LlamaForCausalLM:
+    """Draft whose layer i is a copy of ``target`` layer ``layers[i]``; shares embeddings and head.
+
+    Raises ValueError on an empty ``layers`` or an index outside the target's layers.
+    """
+    num_target = target.config.num_hidden_layers
+    if not layers or any(not 0 <= i < num_target for i in layers):
+        raise ValueError(f"layers must be non-empty indices in [0, {num_target}), got {layers}")
+    draft = LlamaForCausalLM(draft_config_from_target(target.config, len(layers)))
+    draft.to(dtype=target.dtype, device=target.device)
+    for i, src in enumerate(layers):
+        draft.model.layers[i].load_state_dict(target.model.layers[src].state_dict())
+    draft.model.norm.load_state_dict(target.model.norm.state_dict())
+    attach_target_embeddings(draft, target.model.embed_tokens.weight, target.lm_head.weight)
+    return draft
+
+
+def attach_target_embeddings(draft: LlamaForCausalLM, embed: torch.Tensor, head: torch.Tensor | None) -> None:
+    """Make ``draft`` use ``embed`` / ``head`` (``[vocab, hidden]``) by reference (no copy)."""
+    embed_param = embed if isinstance(embed, torch.nn.Parameter) else torch.nn.Parameter(embed, requires_grad=False)
+    draft.model.embed_tokens.weight = embed_param
+    if head is None or head.data_ptr() == embed.data_ptr():
+        draft.lm_head.weight = embed_param
+    else:
+        draft.lm_head.weight = head if isinstance(head, torch.nn.Parameter) else torch.nn.Parameter(head, requires_grad=False)
+
+
+def own_state_dict(draft: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """The draft's own weights only (decoder layers + final norm), contiguous CPU tensors."""
+    return {
+        k: v.detach().to("cpu").contiguous()
+        for k, v in draft.state_dict().items()
+        if k.startswith(OWN_WEIGHT_PREFIXES)
+    }
+
+
+def save_draft(draft: LlamaForCausalLM, out_dir: str, meta: DraftMeta, dtype: torch.dtype | None = None) -> None:
+    """Write ``out_dir`` (config, own weights in ``dtype`` or the draft's dtype, metadata)."""
+    os.makedirs(out_dir, exist_ok=True)
+    weights = own_state_dict(draft)
+    if dtype is not None:
+        weights = {k: v.to(dtype) for k, v in weights.items()}
+    save_file(weights, os.path.join(out_dir, DRAFT_WEIGHTS_FILE), metadata={"format": "pt"})
+    draft.config.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, DRAFT_META_FILE), "w", encoding="utf-8") as f:
+        json.dump(asdict(meta), f, indent=2)
+        f.write("\n")
+
+
+def make_truncated_draft(target_dir: str, layers: list[int], out_dir: str) -> DraftMeta:
+    """Write an untrained draft made of target layers ``layers`` (HF safetensors target dir).
+
+    Returns the written :class:`DraftMeta`. Raises ValueError on bad ``layers``.
+    """
+    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    draft = build_draft_from_target(target, layers)
+    meta = DraftMeta(
+        target=os.path.abspath(target_dir),
+        target_fingerprint=embedding_fingerprint(target.model.embed_tokens.weight),
+        num_layers=len(layers),
+        init_layers=tuple(layers),
+    )
+    save_draft(draft, out_dir, meta)
+    return meta
+
+
+def resolve_target_dir(meta: DraftMeta, draft_dir: str) -> str:
+    """HF dir of the draft's target: a path (absolute or relative to ``draft_dir``) or an alias.
+
+    Aliases and GGUF targets go through ``specdec.loader.resolve_model_dir``.
+    """
+    for candidate in (meta.target, os.path.join(draft_dir, meta.target)):
+        if os.path.isdir(candidate) and meta.target_gguf_file is None:
+            return candidate
+    from specdec.config import ModelConfig  # late: loader imports this module
+    from specdec.loader import resolve_model_dir
+
+    return resolve_model_dir(ModelConfig(model=meta.target, gguf_file=meta.target_gguf_file))
+
+
+def load_draft(
+    draft_dir: str,
+    model_cfg=None,
+    *,
+    target_model: PreTrainedModel | None = None,
+    target_dir: str | None = None,
+    attn_implementation: str | None = None,
+) -> LlamaForCausalLM:
+    """Build the draft ``LlamaForCausalLM`` of ``draft_dir`` with the target's embeddings/head.
+
+    Args:
+        draft_dir: a draft directory (see module doc).
+        model_cfg: ``specdec.config.ModelConfig`` giving ``dtype`` and ``device`` (None: fp32 CPU).
+        target_model: an already loaded target whose embeddings are shared (no file read).
+        target_dir: HF dir of the target (overrides the alias/path in the metadata).
+        attn_implementation: attention implementation name set on the draft's config copy
+            (the engine's loader passes its slot-cache attention here).
+    Returns:
+        the draft in ``eval()`` mode; ``embed_tokens.weight`` is ``lm_head.weight`` when tied.
+    Raises:
+        IncompatibleDraftError: the target's embeddings do not match the recorded fingerprint.
+        FileNotFoundError: missing draft files or target embeddings.
+    """
+    meta = read_meta(draft_dir)
+    if target_model is not None:
+        embed, head = target_model.get_input_embeddings().weight, target_model.get_output_embeddings().weight
+    else:
+        embed, head = read_target_embeddings(target_dir or resolve_target_dir(meta, draft_dir))
+    check_fingerprint(meta.target_fingerprint, embed)
+    dtype = model_cfg.torch_dtype if model_cfg is not None else torch.float32
+    device = model_cfg.device if model_cfg is not None else "cpu"
+    config = AutoConfig.from_pretrained(draft_dir)
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    with torch.device("meta"):
+        draft = LlamaForCausalLM(config)
+    draft.to_empty(device=device)
+    with safe_open(os.path.join(draft_dir, DRAFT_WEIGHTS_FILE), framework="pt") as f:
+        own = {k: f.get_tensor(k).to(dtype) for k in f.keys()}
+    draft.to(dtype)
+    missing, _ = draft.load_state_dict(own, strict=False, assign=True)
+    _check_missing(missing)
+    if target_model is None:
+        embed, head = embed.to(device, dtype), None if head is None else head.to(device, dtype)
+    attach_target_embeddings(draft, embed, head)
+    with torch.device(device):  # non-persistent inv_freq buffer was left on the meta device
+        draft.model.rotary_emb = type(draft.model.rotary_emb)(config=config)
+    return draft.to(device).eval()
+
+
+def _check_missing(missing: list[str]) -> None:
+    unexpected_missing = [k for k in missing if k.startswith(OWN_WEIGHT_PREFIXES)]
+    if unexpected_missing:
+        raise FileNotFoundError(f"draft weights missing from {DRAFT_WEIGHTS_FILE}: {unexpected_missing[:4]}")
