@@ -46,6 +46,13 @@ def reference(prompt: list[int], params: FinishParams) -> list[int]:
             return out
 
 
+async def wait_until(predicate, timeout_s: float = 30.0) -> None:
+    """Poll ``predicate`` every 5 ms; fail the test instead of hanging after ``timeout_s``."""
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
 def _unit(*parts) -> float:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little") / 2**32
 
@@ -324,11 +331,7 @@ def test_abort_mid_stream_frees_slots_in_both_engines() -> None:
             assert not (await h.stub.Abort(common_pb2.AbortRequest(request_id="never-seen"))).found
             for task, (rid, prompt, sampling) in zip(others, _workload(5)):
                 assert (await task)[0] == _expected(prompt, sampling)
-            for _ in range(100):
-                if not h.verifier.committed and not h.drafter.known:
-                    break
-                await asyncio.sleep(0.02)
-            assert not h.verifier.committed and not h.drafter.known
+            await wait_until(lambda: not h.verifier.committed and not h.drafter.known, timeout_s=5)
             assert (await h.stub.GetStatus(coordinator_pb2.StatusRequest())).num_running == 0
 
     asyncio.run(main())
@@ -340,16 +343,13 @@ def test_drafter_outage_falls_back_to_ar_and_recovers() -> None:
     async def main():
         async with Harness(mode="psd", max_num_seqs=2, delay_s=0.005) as h:
             tasks = [asyncio.create_task(h.generate(rid, p, max_tokens=60, ignore_eos=True)) for rid, p, _ in work]
-            while h.scheduler.totals.num_steps < 4:
-                await asyncio.sleep(0.005)
+            await wait_until(lambda: h.scheduler.totals.num_steps >= 4)
             h.drafter.is_failing = True
-            while h.scheduler.is_drafter_available:
-                await asyncio.sleep(0.005)
+            await wait_until(lambda: not h.scheduler.is_drafter_available)
             status = await h.stub.GetStatus(coordinator_pb2.StatusRequest())
             assert status.effective_mode == "ar" and not status.is_drafter_available
             steps_in_ar = h.scheduler.totals.num_steps
-            while h.scheduler.totals.num_steps < steps_in_ar + 3:
-                await asyncio.sleep(0.005)
+            await wait_until(lambda: h.scheduler.totals.num_steps >= steps_in_ar + 3)
             h.drafter.known.clear()  # the drafter restarted and lost its state
             calls_before = h.drafter.num_draft_calls
             h.drafter.is_failing = False
@@ -364,8 +364,7 @@ def test_verifier_failure_fails_running_requests_and_loop_keeps_serving() -> Non
     async def main():
         async with Harness(mode="psd", max_num_seqs=2, delay_s=0.005) as h:
             tasks = [asyncio.create_task(h.generate(f"r{i}", [3, i], max_tokens=300, ignore_eos=True)) for i in range(3)]
-            while h.scheduler.totals.num_steps < 3:
-                await asyncio.sleep(0.005)
+            await wait_until(lambda: h.scheduler.totals.num_steps >= 3)
             h.verifier.is_failing = True
             for tokens, reason, error in await asyncio.gather(*tasks):
                 assert reason == "error" and error.code == grpc.StatusCode.UNAVAILABLE.value[0] and tokens
@@ -401,11 +400,15 @@ def test_invalid_and_excess_requests_get_errors() -> None:
             assert reason == "error" and error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
             _, reason, error = await h.generate("empty", [], max_tokens=3)
             assert reason == "error" and "prompt_token_ids" in error.message
-            long_runs = [asyncio.create_task(h.generate(f"r{i}", [3, 4], max_tokens=40, ignore_eos=True)) for i in range(4)]
-            results = await asyncio.gather(*long_runs)
-            codes = [r[2].code for r in results if r[1] == "error"]
-            assert codes and set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}
-            assert sum(r[1] == "length" for r in results) >= 2
+            running = asyncio.create_task(h.generate("running", [3, 4], max_tokens=40, ignore_eos=True))
+            await wait_until(lambda: bool(h.scheduler.running))
+            queued = asyncio.create_task(h.generate("queued", [3, 5], max_tokens=4))
+            await wait_until(lambda: bool(h.scheduler.waiting))
+            _, reason, error = await h.generate("excess", [3, 6], max_tokens=4)
+            assert reason == "error" and error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            _, reason, error = await h.generate("queued", [3, 5], max_tokens=4)
+            assert reason == "error" and error.code == grpc.StatusCode.ALREADY_EXISTS.value[0]
+            assert [(await task)[1] for task in (running, queued)] == ["length", "length"]
 
     asyncio.run(main())
 
