@@ -205,4 +205,6 @@ def test_real_smollm2_greedy_sd_psd_equal_ar(smollm2_dir):
             j = next((i for i, (a, s) in enumerate(zip(ar_ids, spec_ids)) if a != s),
                      min(len(ar_ids), len(spec_ids)))
             gap = _top2_gap(target_runner, prompt + ar_ids[:j])
-            assert gap < MAX_TIE_GAP, f"{mode}: first divergence at output token {j}, gap {gap}"
+            message = f"{mode}: first divergence at output token {j}, target top-2 gap {gap:.3g}"
+            assert gap < MAX_TIE_GAP, message
+            print(f"allowed near-tie divergence: {message}")
