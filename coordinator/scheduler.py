@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 _DATA_PLANE = {DataPlaneKind.INLINE: engine_pb2.DATA_PLANE_INLINE, DataPlaneKind.DIST: engine_pb2.DATA_PLANE_DIST}
 
 
+_TRANSPORT_ERRORS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 _ERROR_BACKOFF_S = 0.1  # pause after an unexpected error so a persistent one cannot spin the loop
 
 
@@ -175,7 +176,7 @@ class Scheduler:
         seqs = [engine_pb2.SeqInit(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, sampling=r.sampling)
                 for r in new]
         is_drafting = self.mode != Mode.AR
-        calls = [self.engines.add_requests(self.engines.verifier, seqs)]
+        calls = [self._prefill_on_verifier(seqs)]
         if is_drafting:
             calls.append(self.engines.add_requests(self.engines.drafter, seqs))
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -184,21 +185,30 @@ class Scheduler:
         elif is_drafting:
             for request in new:
                 request.num_drafter_tokens = len(request.prompt_token_ids)
-        if isinstance(results[0], Exception):
-            code = results[0].code() if isinstance(results[0], grpc.aio.AioRpcError) else grpc.StatusCode.INTERNAL
-            for request in new:
-                self._retire(request, None, error=(code, f"verifier prefill failed: {results[0]}"))
-            return
         self._start_requests(new, results[0])
 
-    def _start_requests(self, new: list[RequestState], response: engine_pb2.AddRequestsResponse) -> None:
-        outputs = {out.request_id: out for out in response.outputs}
+    async def _prefill_on_verifier(self, seqs: list[engine_pb2.SeqInit]) -> dict[str, object]:
+        """Request id -> first ``SeqOutput``, or the error of its failed prefill. A batch refused for
+        a reason other than transport is retried one request at a time, so a bad prompt fails alone."""
+        try:
+            response = await self.engines.add_requests(self.engines.verifier, seqs)
+            return {out.request_id: out for out in response.outputs}
+        except grpc.aio.AioRpcError as exc:
+            if len(seqs) == 1 or exc.code() in _TRANSPORT_ERRORS:
+                return {seq.request_id: exc for seq in seqs}
+        outcomes = await asyncio.gather(*(self._prefill_on_verifier([seq]) for seq in seqs))
+        return {request_id: out for outcome in outcomes for request_id, out in outcome.items()}
+
+    def _start_requests(self, new: list[RequestState], outputs: dict[str, object]) -> None:
+        """Stream each first token (TTFT) and place the survivors in the Batch Manager."""
         alive = []
         for request in new:
             out = outputs.get(request.request_id)
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while prefilling; its release is queued
-            if out is None:
+            if isinstance(out, grpc.aio.AioRpcError):
+                self._retire(request, None, error=(out.code(), f"verifier prefill failed: {out.details()}"))
+            elif out is None:
                 self._retire(request, None, error=(grpc.StatusCode.INTERNAL, "verifier returned no first token"))
             elif self._commit(request, list(out.token_ids), list(out.logprobs), 0, 0):
                 alive.append(request.request_id)

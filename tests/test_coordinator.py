@@ -31,6 +31,7 @@ from minedraft.serving import ServerOptions, aio_channel, build_server, wait_for
 from minedraft.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, engine_pb2, engine_pb2_grpc
 
 VOCAB, EOS, NUM_SLOTS = 40, 2, 32
+BAD_TOKEN = 1000  # the fake verifier refuses prompts holding it
 
 
 def toy_next(seq: list[int]) -> int:
@@ -68,6 +69,8 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
         self.num_dist_fetches, self.is_failing = 0, False
 
     async def AddRequests(self, request, context):
+        if any(BAD_TOKEN in seq.prompt_token_ids for seq in request.seqs):  # all or nothing, like the real one
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt does not fit max_model_len")
         outputs = []
         for seq in request.seqs:
             assert seq.request_id not in self.committed and len(self.committed) < NUM_SLOTS
@@ -373,6 +376,25 @@ def test_verifier_failure_fails_running_requests_and_loop_keeps_serving() -> Non
             assert tokens == _expected([8, 9], {"max_tokens": 12})
             await asyncio.sleep(0.05)
             assert not h.verifier.committed and not h.drafter.known
+
+    asyncio.run(main())
+
+
+def test_a_refused_prompt_fails_alone() -> None:
+    async def main():
+        async with Harness(mode="psd", max_num_seqs=3) as h:
+            work = _workload(6)
+            tasks = [h.generate(rid, p, **s) for rid, p, s in work] + [h.generate("bad", [4, BAD_TOKEN], max_tokens=5)]
+            *results, bad = await asyncio.gather(*tasks)
+            assert bad[1] == "error" and bad[2].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            for (rid, prompt, sampling), (tokens, reason, _) in zip(work, results):
+                assert tokens == _expected(prompt, sampling), rid
+            await wait_until(lambda: not h.verifier.committed and not h.drafter.known, timeout_s=5)
+            seqs = [engine_pb2.SeqInit(request_id=rid, prompt_token_ids=prompt) for rid, prompt in
+                    (("ok-1", [3, 4]), ("bad-1", [BAD_TOKEN]), ("ok-2", [5]))]
+            outcomes = await h.scheduler._prefill_on_verifier(seqs)  # the batch is retried one by one
+            assert outcomes["bad-1"].code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert [outcomes[r].token_ids[0] for r in ("ok-1", "ok-2")] == [toy_next([3, 4]), toy_next([5])]
 
     asyncio.run(main())
 
