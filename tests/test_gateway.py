@@ -57,7 +57,6 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.step_delay_s = 0.0
         self.requests: list[coordinator_pb2.CoordinatorGenerateRequest] = []
         self.aborted: list[str] = []
-        self.cancelled: list[str] = []
         self.error: common_pb2.GenerateError | None = None
 
     async def Generate(self, request, context):
@@ -66,25 +65,21 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
             yield coordinator_pb2.CoordinatorGenerateResponse(error=self.error)
             return
         num_emitted = 0
-        try:
-            for step, ids in enumerate(self.script):
-                if request.request_id in self.aborted:
-                    yield coordinator_pb2.CoordinatorGenerateResponse(finished=coordinator_pb2.Finished(finish_reason="abort"))
-                    return
-                await asyncio.sleep(self.step_delay_s)
-                drafted = 0 if step == 0 else 3
-                yield coordinator_pb2.CoordinatorGenerateResponse(chunk=coordinator_pb2.TokenChunk(
-                    token_ids=ids, logprobs=[-0.5] * len(ids), num_draft_tokens=drafted,
-                    num_accepted_tokens=len(ids) - 1 if drafted else 0))
-                num_emitted += len(ids)
-            usage = common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=num_emitted,
-                                     num_draft_tokens=3 * (len(self.script) - 1),
-                                     num_accepted_tokens=num_emitted - len(self.script))
-            yield coordinator_pb2.CoordinatorGenerateResponse(
-                finished=coordinator_pb2.Finished(finish_reason="length", usage=usage))
-        except asyncio.CancelledError:
-            self.cancelled.append(request.request_id)
-            raise
+        for step, ids in enumerate(self.script):
+            if request.request_id in self.aborted:
+                yield coordinator_pb2.CoordinatorGenerateResponse(finished=coordinator_pb2.Finished(finish_reason="abort"))
+                return
+            await asyncio.sleep(self.step_delay_s)
+            drafted = 0 if step == 0 else 3
+            yield coordinator_pb2.CoordinatorGenerateResponse(chunk=coordinator_pb2.TokenChunk(
+                token_ids=ids, logprobs=[-0.5] * len(ids), num_draft_tokens=drafted,
+                num_accepted_tokens=len(ids) - 1 if drafted else 0))
+            num_emitted += len(ids)
+        usage = common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=num_emitted,
+                                 num_draft_tokens=3 * (len(self.script) - 1),
+                                 num_accepted_tokens=num_emitted - len(self.script))
+        yield coordinator_pb2.CoordinatorGenerateResponse(
+            finished=coordinator_pb2.Finished(finish_reason="length", usage=usage))
 
     async def Abort(self, request, context):
         self.aborted.append(request.request_id)
