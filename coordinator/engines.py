@@ -7,17 +7,22 @@ bytes (inline data plane), never decoded.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import grpc
+
 from minedraft.serving import aio_channel
 from minedraft.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 from coordinator.request import PendingDrafts, RequestState
 
+# errors of the call itself, not of one request: no point in retrying requests one by one
+_TRANSPORT_ERRORS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 _INT_TYPECODES = {"int32": "i", "int64": "q"}
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32": 4, "int64": 8}
 
@@ -94,6 +99,19 @@ class EngineClients:
 
     async def add_requests(self, stub, seqs: list[engine_pb2.SeqInit]) -> engine_pb2.AddRequestsResponse:
         return await stub.AddRequests(engine_pb2.AddRequestsRequest(seqs=seqs), timeout=self.timeout)
+
+    async def prefill_verifier(self, seqs: list[engine_pb2.SeqInit]) -> dict[str, object]:
+        """Verifier AddRequests: request id -> first-token ``SeqOutput``, or the ``AioRpcError`` of
+        its failed prefill. A batch refused for a reason other than transport (e.g. one prompt too
+        long) is retried one request at a time, so a bad prompt fails alone."""
+        try:
+            response = await self.add_requests(self.verifier, seqs)
+            return {out.request_id: out for out in response.outputs}
+        except grpc.aio.AioRpcError as exc:
+            if len(seqs) == 1 or exc.code() in _TRANSPORT_ERRORS:
+                return {seq.request_id: exc for seq in seqs}
+        outcomes = await asyncio.gather(*(self.prefill_verifier([seq]) for seq in seqs))
+        return {request_id: out for outcome in outcomes for request_id, out in outcome.items()}
 
     async def release(self, stub, request_ids: list[str]) -> int:
         response = await stub.ReleaseRequests(engine_pb2.ReleaseRequest(request_ids=request_ids), timeout=self.timeout)

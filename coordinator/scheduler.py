@@ -35,25 +35,18 @@ from coordinator.fallback import DrafterLink
 from coordinator.finish import FinishReason, apply_finish
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.request import RequestState, RequestStatus
-from coordinator.stats import StepStats, StepTotals, emit_step_span
+from coordinator.stats import StepStats, StepTimes, StepTotals, emit_step_span
 
 logger = logging.getLogger(__name__)
 
 _DATA_PLANE = {DataPlaneKind.INLINE: engine_pb2.DATA_PLANE_INLINE, DataPlaneKind.DIST: engine_pb2.DATA_PLANE_DIST}
 
 
-_TRANSPORT_ERRORS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 _ERROR_BACKOFF_S = 0.1  # pause after an unexpected error so a persistent one cannot spin the loop
 
 
 class QueueFullError(Exception):
     """The waiting queue holds ``max_queue_len`` requests."""
-
-
-class _StepTimes:
-    def __init__(self) -> None:
-        self.draft_ms = self.verify_ms = self.data_plane_ms = 0.0
-        self.num_drafted = 0
 
 
 class Scheduler:
@@ -176,7 +169,7 @@ class Scheduler:
         seqs = [engine_pb2.SeqInit(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, sampling=r.sampling)
                 for r in new]
         is_drafting = self.mode != Mode.AR
-        calls = [self._prefill_on_verifier(seqs)]
+        calls = [self.engines.prefill_verifier(seqs)]
         if is_drafting:
             calls.append(self.engines.add_requests(self.engines.drafter, seqs))
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -186,18 +179,6 @@ class Scheduler:
             for request in new:
                 request.num_drafter_tokens = len(request.prompt_token_ids)
         self._start_requests(new, results[0])
-
-    async def _prefill_on_verifier(self, seqs: list[engine_pb2.SeqInit]) -> dict[str, object]:
-        """Request id -> first ``SeqOutput``, or the error of its failed prefill. A batch refused for
-        a reason other than transport is retried one request at a time, so a bad prompt fails alone."""
-        try:
-            response = await self.engines.add_requests(self.engines.verifier, seqs)
-            return {out.request_id: out for out in response.outputs}
-        except grpc.aio.AioRpcError as exc:
-            if len(seqs) == 1 or exc.code() in _TRANSPORT_ERRORS:
-                return {seq.request_id: exc for seq in seqs}
-        outcomes = await asyncio.gather(*(self._prefill_on_verifier([seq]) for seq in seqs))
-        return {request_id: out for outcome in outcomes for request_id, out in outcome.items()}
 
     def _start_requests(self, new: list[RequestState], outputs: dict[str, object]) -> None:
         """Stream each first token (TTFT) and place the survivors in the Batch Manager."""
@@ -219,7 +200,7 @@ class Scheduler:
     async def step(self) -> StepStats:
         """Run one step in the current mode and return its record (also added to ``totals``)."""
         self.step_id += 1
-        start, mode, times = time.perf_counter(), self.mode, _StepTimes()
+        start, mode, times = time.perf_counter(), self.mode, StepTimes()
         verify_reqs, ahead_reqs = self._schedule(mode)
         if mode != Mode.AR and any(r.drafts is None for r in verify_reqs):
             await self._draft(verify_reqs, times)  # sd part: drafts needed before this verify
@@ -251,7 +232,7 @@ class Scheduler:
         ahead = [self.running[r] for r in self.batches.draft_batch()]
         return verify, ahead
 
-    async def _draft(self, requests: list[RequestState], times: _StepTimes) -> None:
+    async def _draft(self, requests: list[RequestState], times: StepTimes) -> None:
         """Draft for ``requests``; on a drafter failure switch to ``ar`` (drafts dropped)."""
         self._num_draft_calls += 1  # drafter step ids are unique per Draft call (dist plane key)
         try:

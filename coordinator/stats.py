@@ -50,6 +50,16 @@ class StepStats:
     is_parallel: bool
 
 
+@dataclass
+class StepTimes:
+    """Engine-reported times (ms) and the number of drafted requests, summed while a step runs."""
+
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    data_plane_ms: float = 0.0
+    num_drafted: int = 0
+
+
 class StepTotals:
     """Running totals over all steps plus a bounded window of the recent ``StepStats``."""
 

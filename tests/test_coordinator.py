@@ -392,7 +392,7 @@ def test_a_refused_prompt_fails_alone() -> None:
             await wait_until(lambda: not h.verifier.committed and not h.drafter.known, timeout_s=5)
             seqs = [engine_pb2.SeqInit(request_id=rid, prompt_token_ids=prompt) for rid, prompt in
                     (("ok-1", [3, 4]), ("bad-1", [BAD_TOKEN]), ("ok-2", [5]))]
-            outcomes = await h.scheduler._prefill_on_verifier(seqs)  # the batch is retried one by one
+            outcomes = await h.scheduler.engines.prefill_verifier(seqs)  # the batch is retried one by one
             assert outcomes["bad-1"].code() == grpc.StatusCode.INVALID_ARGUMENT
             assert [outcomes[r].token_ids[0] for r in ("ok-1", "ok-2")] == [toy_next([3, 4]), toy_next([5])]
 
