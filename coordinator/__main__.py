@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 
 from coordinator.config import DEFAULT_DRAFTER, DEFAULT_PORT, DEFAULT_VERIFIER, CoordinatorConfig, DataPlaneKind, Mode
 from coordinator.server import serve
@@ -48,7 +49,13 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    asyncio.run(serve(parse_args(argv)))
+    """Run the coordinator; exit status 1 when the engines never become ready."""
+    cfg = parse_args(argv)
+    try:
+        asyncio.run(serve(cfg))
+    except (TimeoutError, RuntimeError) as exc:
+        logging.getLogger("coordinator").error("cannot start: %s", exc)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -173,7 +173,11 @@ async def serve(cfg: CoordinatorConfig) -> None:
     await server.start()
     logger.info("coordinator listening on %s:%d (mode %s, k %d, m %d)", cfg.host, port, cfg.mode,
                 cfg.num_speculative_tokens, cfg.max_num_seqs)
-    scheduler, task = await start(cfg, servicer)
+    try:
+        scheduler, task = await start(cfg, servicer)
+    except BaseException:
+        await server.stop(None)
+        raise
     if cfg.metrics_port:
         serve_metrics(scheduler.metrics, cfg.metrics_port, cfg.host)
         logger.info("metrics on http://%s:%d/metrics", cfg.host, cfg.metrics_port)
