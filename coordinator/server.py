@@ -44,6 +44,8 @@ def _validate(request: coordinator_pb2.CoordinatorGenerateRequest) -> str | None
         return "prompt_token_ids: token ids must be >= 0"
     if request.sampling.max_tokens < 1:
         return f"sampling.max_tokens: must be >= 1, got {request.sampling.max_tokens}"
+    if any(t < 0 for t in request.sampling.stop_token_ids):
+        return "sampling.stop_token_ids: token ids must be >= 0"
     if request.sampling.temperature < 0:
         return f"sampling.temperature: must be >= 0, got {request.sampling.temperature}"
     return None

@@ -422,6 +422,8 @@ def test_invalid_and_excess_requests_get_errors() -> None:
             assert reason == "error" and error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
             _, reason, error = await h.generate("empty", [], max_tokens=3)
             assert reason == "error" and "prompt_token_ids" in error.message
+            _, reason, error = await h.generate("neg-stop", [1], max_tokens=3, stop_token_ids=[-4])
+            assert reason == "error" and "stop_token_ids" in error.message
             running = asyncio.create_task(h.generate("running", [3, 4], max_tokens=40, ignore_eos=True))
             await wait_until(lambda: bool(h.scheduler.running))
             queued = asyncio.create_task(h.generate("queued", [3, 5], max_tokens=4))
