@@ -56,7 +56,8 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
 
     async def Generate(self, request, context):
         try:
-            prepared = await asyncio.to_thread(prepare_request, request, self._tokenizer, self._cfg)
+            # On the event-loop thread on purpose: the tokenizer is not thread-safe (see PromptTokenizer).
+            prepared = prepare_request(request, self._tokenizer, self._cfg)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = prepared.request_id

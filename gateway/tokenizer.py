@@ -13,6 +13,11 @@ class PromptTokenizer:
         tokenizer_dir: directory with ``tokenizer.json`` / ``tokenizer_config.json`` (and a chat
             template for ``messages`` requests).
 
+    Not thread-safe: ``encode(split_special_tokens=...)`` mutates the Rust tokenizer's
+    ``encode_special_tokens`` flag, so concurrent encodes (or an encode racing a decode) could
+    tokenize a chat template's special tokens as text or fail with "Already borrowed". The
+    gateway calls it from its event-loop thread only (a prompt encodes in about a millisecond).
+
     Raises:
         OSError: the directory holds no loadable tokenizer.
     """
