@@ -1,0 +1,205 @@
+"""Draft-model acceptance and cost on Spec-Bench (issue 4). Writes JSON + Markdown to bench/results/.
+
+Method (plain HF forwards, no serving stack):
+
+- Prompts: Spec-Bench ``question.jsonl``, first turn, chat template; the multi-turn categories
+  (MT-Bench's writing, roleplay, ...) form the category ``multi_turn``, the others keep their name
+  (translation, summarization, qa, math_reasoning, rag). First ``--num-per-category`` prompts of
+  at most ``--max-prompt-tokens`` tokens per category.
+- Trajectory: the TARGET generates ``--max-new-tokens`` tokens (greedy at T=0, sampled at T=1).
+  Speculative decoding is lossless, so this is distributed as SD's own output.
+- Per-position acceptance probability ``beta_j`` along the trajectory, both models teacher-forced
+  on it: T=0: ``beta_j = 1[argmax q_j == argmax p_j]`` (exact: a greedy draft token is accepted iff
+  it equals the target argmax, and then the prefix is the target's); T=1:
+  ``beta_j = sum_v min(p_j(v), q_j(v)) = 1 - TV(p_j, q_j)``, the acceptance probability of
+  rejection sampling (Leviathan et al. 2023, Sec. 3, Def. 3.1). At T=1 this approximates the
+  prefix after an accepted token by the target's own sample.
+- SD steps simulated for k = 1..6: a step at position s accepts draft i with prob ``beta_{s+i-1}``
+  until the first rejection (``--num-trials`` Monte Carlo runs, seeded); it emits accepted + 1
+  tokens. Mean acceptance length = mean tokens per step (accepted + the recovered/bonus token);
+  per-position acceptance rate = share of steps whose i-th draft token is accepted (vLLM's
+  ``num_accepted_tokens_per_pos / num_drafts``).
+- Cost: one decode forward (1 new token over a KV cache of ``--context`` tokens), 1 CPU thread,
+  batch 1 and 16, median wall time (ms) of draft and target; ratio = draft / target.
+
+Usage: ``python bench/draft_acceptance.py --draft drafts/smollm2-135m-instruct``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from specdec.config import ModelConfig
+from specdec.draft_format import load_draft, read_meta, resolve_target_dir
+
+SPEC_BENCH = "/work/shared/data/spec_bench/question.jsonl"
+SINGLE_TURN = ("translation", "summarization", "qa", "math_reasoning", "rag")
+MULTI_TURN = "multi_turn"
+MAX_K = 6
+TEMPERATURES = (0.0, 1.0)
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def load_prompts(tokenizer, path: str, num_per_category: int, max_tokens: int) -> dict[str, list[list[int]]]:
+    """Chat-template token ids per category (first turn)."""
+    out: dict[str, list[list[int]]] = defaultdict(list)
+    with open(path, encoding="utf-8") as f:
+        for row in map(json.loads, filter(str.strip, f)):
+            cat = row["category"] if row["category"] in SINGLE_TURN else MULTI_TURN
+            if len(out[cat]) >= num_per_category:
+                continue
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": row["turns"][0]}],
+                                                add_generation_prompt=True, tokenize=True, return_dict=False)
+            if len(ids) <= max_tokens:
+                out[cat].append(list(ids))
+    return dict(out)
+
+
+@torch.no_grad()
+def trajectory_betas(target, draft, prompt: list[int], temperature: float, max_new: int, eos: int,
+                     gen: torch.Generator) -> torch.Tensor:
+    """Target trajectory of ``max_new`` tokens and ``beta_j`` per generated position ``[n]``."""
+    ids = torch.tensor([prompt])
+    kwargs = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature,
+                                                              "top_k": None, "top_p": None}
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    seq = target.generate(ids, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=eos, **kwargs)[0]
+    n = seq.numel() - len(prompt)
+    p_logits = target(seq[None]).logits[0, len(prompt) - 1:-1]
+    q_logits = draft(seq[None]).logits[0, len(prompt) - 1:-1]
+    if temperature == 0:
+        return (p_logits.argmax(-1) == q_logits.argmax(-1)).float()[:n]
+    p = torch.softmax(p_logits / temperature, -1)
+    q = torch.softmax(q_logits / temperature, -1)
+    return torch.minimum(p, q).sum(-1).clamp(0, 1)[:n]
+
+
+def simulate(betas: torch.Tensor, k: int, num_trials: int, gen: torch.Generator) -> tuple[list[int], list[int]]:
+    """Accepted counts per simulated SD step and per-position accept counts ``[k]``."""
+    steps, per_pos = [], [0] * k
+    for _ in range(num_trials):
+        s, n = 0, betas.numel()
+        draws = torch.rand(n + k, generator=gen)
+        while s < n:
+            num_draft = min(k, n - s - 1) if n - s > 1 else 0
+            a = 0
+            while a < num_draft and draws[s + a] < betas[s + a]:
+                per_pos[a] += 1
+                a += 1
+            steps.append(a)
+            s += a + 1
+    return steps, per_pos
+
+
+def acceptance_table(betas_by_cat: dict[str, list[torch.Tensor]], num_trials: int, seed: int) -> dict:
+    """Per category and ``all``: k -> mean acceptance length and per-position acceptance rates."""
+    out = {}
+    cats = dict(betas_by_cat, all=[b for bs in betas_by_cat.values() for b in bs])
+    for cat, betas in cats.items():
+        out[cat] = {}
+        for k in range(1, MAX_K + 1):
+            gen = torch.Generator().manual_seed(seed + k)
+            steps, per_pos = [], [0] * k
+            for b in betas:
+                s, p = simulate(b, k, num_trials, gen)
+                steps += s
+                per_pos = [x + y for x, y in zip(per_pos, p)]
+            out[cat][k] = {"mean_acceptance_length": 1 + sum(steps) / len(steps),
+                           "acceptance_rate_per_pos": [x / len(steps) for x in per_pos],
+                           "num_steps": len(steps)}
+        out[cat]["mean_beta"] = float(torch.cat(betas).mean())
+    return out
+
+
+@torch.no_grad()
+def forward_ms(model, batch: int, context: int, num_iters: int) -> float:
+    """Median wall time (ms) of one single-token decode forward over a ``context``-token KV cache."""
+    cache = DynamicCache()
+    ids = torch.randint(0, model.config.vocab_size, (batch, context))
+    model(ids, past_key_values=cache, use_cache=True)
+    times = []
+    step = torch.randint(0, model.config.vocab_size, (batch, 1))
+    for _ in range(num_iters):
+        t0 = time.perf_counter()
+        model(step, past_key_values=cache, use_cache=True)
+        times.append((time.perf_counter() - t0) * 1e3)
+        cache.crop(-1)  # drop the token just appended
+    return statistics.median(times)
+
+
+def write_markdown(res: dict, path: str) -> None:
+    lines = [f"# Draft acceptance: `{res['draft']}` vs `{res['target']}`", "", res["method"], "",
+             f"Prompts per category: {res['num_prompts']}; new tokens per prompt: {res['max_new_tokens']}.", ""]
+    for temp, table in res["acceptance"].items():
+        lines += [f"## Temperature {temp}: mean acceptance length (tokens/step)", "",
+                  "| category | " + " | ".join(f"k={k}" for k in range(1, MAX_K + 1)) + " | mean beta |",
+                  "|---" * (MAX_K + 2) + "|"]
+        for cat, row in table.items():
+            lines.append(f"| {cat} | " + " | ".join(f"{row[k]['mean_acceptance_length']:.2f}"
+                                                    for k in range(1, MAX_K + 1)) + f" | {row['mean_beta']:.3f} |")
+        lines += ["", f"Per-position acceptance rate (all categories), temperature {temp}:", ""]
+        for k in range(1, MAX_K + 1):
+            rates = ", ".join(f"{r:.3f}" for r in table["all"][k]["acceptance_rate_per_pos"])
+            lines.append(f"- k={k}: {rates}")
+        lines.append("")
+    lines += ["## Forward time (CPU, 1 thread, one decode token, median ms)", "",
+              "| batch | draft ms | target ms | draft/target |", "|---|---|---|---|"]
+    for b, t in res["forward_ms"].items():
+        lines.append(f"| {b} | {t['draft']:.2f} | {t['target']:.2f} | {t['ratio']:.3f} |")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draft", default="drafts/smollm2-135m-instruct")
+    ap.add_argument("--spec-bench", default=SPEC_BENCH)
+    ap.add_argument("--num-per-category", type=int, default=16)
+    ap.add_argument("--max-prompt-tokens", type=int, default=768)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--num-trials", type=int, default=20)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--num-iters", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-name", default="draft_acceptance")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    target_dir = resolve_target_dir(read_meta(args.draft), args.draft)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    draft = load_draft(args.draft, ModelConfig(model=args.draft), target_model=target)
+    prompts = load_prompts(tokenizer, args.spec_bench, args.num_per_category, args.max_prompt_tokens)
+    gen = torch.Generator().manual_seed(args.seed)
+    acceptance = {}
+    for temp in TEMPERATURES:
+        betas = {c: [trajectory_betas(target, draft, p, temp, args.max_new_tokens, tokenizer.eos_token_id, gen)
+                     for p in ps] for c, ps in prompts.items()}
+        acceptance[str(temp)] = acceptance_table(betas, args.num_trials, args.seed)
+        print(f"T={temp}: k=4 mean acceptance length {acceptance[str(temp)]['all'][4]['mean_acceptance_length']:.3f}",
+              flush=True)
+    fwd = {}
+    for b in (1, 16):
+        d, t = (forward_ms(m, b, args.context, args.num_iters) for m in (draft, target))
+        fwd[str(b)] = {"draft": d, "target": t, "ratio": d / t}
+    res = {"draft": args.draft, "target": read_meta(args.draft).target, "method": __doc__.split("\n\n", 1)[1],
+           "num_prompts": {c: len(p) for c, p in prompts.items()}, "max_new_tokens": args.max_new_tokens,
+           "acceptance": acceptance, "forward_ms": fwd, "draft_training": read_meta(args.draft).training}
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    with open(os.path.join(RESULTS_DIR, args.out_name + ".json"), "w", encoding="utf-8") as f:
+        json.dump(res, f, indent=2)
+    write_markdown(res, os.path.join(RESULTS_DIR, args.out_name + ".md"))
+    print(json.dumps(fwd, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

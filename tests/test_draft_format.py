@@ -1,0 +1,125 @@
+"""Draft directory format: round trip, borrowed embeddings, fingerprint refusal (issue 4)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import LlamaForCausalLM
+
+from specdec import draft_format as fmt
+from specdec.config import ModelConfig
+from specdec.errors import IncompatibleDraftError
+
+NUM_TARGET_LAYERS = 4
+DRAFT_LAYERS = [0, 3]
+
+
+@pytest.fixture
+def target_dir(tmp_path, tiny_llama_dir):
+    return tiny_llama_dir(tmp_path / "target", num_layers=NUM_TARGET_LAYERS, seed=0)
+
+
+@pytest.fixture
+def draft_dir(tmp_path, target_dir):
+    out = str(tmp_path / "draft")
+    fmt.make_truncated_draft(target_dir, DRAFT_LAYERS, out)
+    return out
+
+
+def _ids() -> torch.Tensor:
+    return torch.tensor([[1, 5, 9, 17, 33, 64, 100, 3]])
+
+
+def test_draft_dir_holds_only_own_weights_and_metadata(draft_dir, target_dir):
+    with safe_open(os.path.join(draft_dir, fmt.DRAFT_WEIGHTS_FILE), framework="pt") as f:
+        keys = set(f.keys())
+    assert keys and all(k.startswith(fmt.OWN_WEIGHT_PREFIXES) for k in keys)
+    assert not any("embed_tokens" in k or "lm_head" in k for k in keys)
+    assert {k.split(".")[2] for k in keys if k.startswith("model.layers.")} == {"0", "1"}
+    meta = json.load(open(os.path.join(draft_dir, fmt.DRAFT_META_FILE)))
+    assert meta["num_layers"] == 2 and meta["init_layers"] == DRAFT_LAYERS
+    assert meta["target"] == os.path.abspath(target_dir)
+    assert fmt.is_draft_dir(draft_dir) and not fmt.is_draft_dir(target_dir)
+
+
+def test_load_draft_round_trip_matches_target_layers(draft_dir, target_dir):
+    target = LlamaForCausalLM.from_pretrained(target_dir).eval()
+    draft = fmt.load_draft(draft_dir)
+    assert draft.config.num_hidden_layers == 2
+    assert draft.model.embed_tokens.weight is draft.lm_head.weight  # tied: one shared tensor
+    torch.testing.assert_close(draft.model.embed_tokens.weight, target.model.embed_tokens.weight)
+    for i, src in enumerate(DRAFT_LAYERS):
+        for (name, p), (_, q) in zip(draft.model.layers[i].named_parameters(),
+                                     target.model.layers[src].named_parameters()):
+            torch.testing.assert_close(p, q, msg=name)
+    reference = fmt.build_draft_from_target(target, DRAFT_LAYERS).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(draft(_ids()).logits, reference(_ids()).logits)
+
+
+def test_load_draft_shares_target_model_tensors_by_reference(draft_dir, target_dir):
+    target = LlamaForCausalLM.from_pretrained(target_dir).eval()
+    draft = fmt.load_draft(draft_dir, target_model=target, attn_implementation="eager")
+    assert draft.model.embed_tokens.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()
+    assert draft.lm_head.weight.data_ptr() == target.lm_head.weight.data_ptr()
+    assert draft.config._attn_implementation == "eager"
+
+
+def test_untied_target_lends_its_lm_head(tmp_path, tiny_llama_dir):
+    target_dir = tiny_llama_dir(tmp_path / "untied", num_layers=3, tie_word_embeddings=False)
+    fmt.make_truncated_draft(target_dir, [1], str(tmp_path / "d"))
+    draft = fmt.load_draft(str(tmp_path / "d"))
+    target = LlamaForCausalLM.from_pretrained(target_dir)
+    torch.testing.assert_close(draft.lm_head.weight, target.lm_head.weight)
+    assert not torch.equal(draft.lm_head.weight, draft.model.embed_tokens.weight)
+
+
+def test_refuses_draft_when_target_does_not_match(tmp_path, draft_dir, tiny_llama_dir):
+    other = tiny_llama_dir(tmp_path / "other", num_layers=NUM_TARGET_LAYERS, seed=1)
+    with pytest.raises(IncompatibleDraftError):
+        fmt.load_draft(draft_dir, target_dir=other)
+    wider = tiny_llama_dir(tmp_path / "wide", num_layers=NUM_TARGET_LAYERS, vocab_size=256)
+    with pytest.raises(IncompatibleDraftError):
+        fmt.load_draft(draft_dir, target_dir=wider)
+
+
+def test_fingerprint_tolerates_bf16_copy_of_the_same_target(target_dir):
+    embed = LlamaForCausalLM.from_pretrained(target_dir).model.embed_tokens.weight
+    expected = fmt.embedding_fingerprint(embed)
+    fmt.check_fingerprint(expected, embed.to(torch.bfloat16))
+    fmt.check_fingerprint(expected, embed.to(torch.float16))
+    with pytest.raises(IncompatibleDraftError):
+        fmt.check_fingerprint(expected, embed + 0.05 * torch.randn_like(embed))
+
+
+def test_load_draft_respects_model_config_dtype(draft_dir):
+    draft = fmt.load_draft(draft_dir, ModelConfig(model=draft_dir, dtype="bfloat16"))
+    assert {p.dtype for p in draft.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        assert torch.isfinite(draft(_ids()).logits.float()).all()
+
+
+def test_engine_loader_delegates_to_draft_format(draft_dir):
+    from specdec.loader import load_model
+
+    model = load_model(ModelConfig(model=draft_dir))
+    assert model.config.num_hidden_layers == 2
+    assert model.model.embed_tokens.weight is model.lm_head.weight
+
+
+def test_build_draft_rejects_bad_layers(target_dir):
+    target = LlamaForCausalLM.from_pretrained(target_dir)
+    for layers in ([], [NUM_TARGET_LAYERS], [-1]):
+        with pytest.raises(ValueError):
+            fmt.build_draft_from_target(target, layers)
+
+
+def test_meta_validation_names_the_field():
+    with pytest.raises(ValueError, match="init_layers"):
+        fmt.DraftMeta(target="t", target_fingerprint={}, num_layers=2, init_layers=(0,))
+    with pytest.raises(ValueError, match="num_layers"):
+        fmt.DraftMeta(target="t", target_fingerprint={}, num_layers=0, init_layers=())
