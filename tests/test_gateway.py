@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -312,3 +313,21 @@ def test_stop_checker_holds_back_possible_stop_prefix():
     match = checker.find("abcSTOP", 2)
     assert match is not None and match.text_end == 3
     assert StopStringChecker(("STOP",), include_stop_str_in_output=True).find("abcSTOP", 2).text_end == 7
+
+
+def test_concurrent_text_and_chat_requests_keep_their_special_token_handling(client, stack, tokenizer):
+    fake, _ = stack
+    fake.script = [tokenizer.encode("ok", add_special_tokens=False)]
+
+    def send(i: int) -> None:
+        if i % 2:
+            client.generate(messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=2, request_id=f"cc-{i}")
+        else:
+            client.generate(f"<|im_start|> text {i}", max_tokens=2, request_id=f"cc-{i}")
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(send, range(16)))
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    for sent in (r for r in fake.requests if r.request_id.startswith("cc-")):
+        is_chat = int(sent.request_id[3:]) % 2 == 1
+        assert (im_start in sent.prompt_token_ids) == is_chat, sent.request_id
