@@ -17,7 +17,7 @@ DATA_PLANES = ("inline", "dist")
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT_DIR = "drafts/smollm2-135m-instruct"  # written by `minedraft distill` (issue 4)
 DEFAULT_TRUNCATED_LAYERS = (0, 1, 2, 3)  # untrained fallback draft: the target's first layers
-VERIFIER_CPU, DRAFTER_CPU = 0, 1
+VERIFIER_CPU, DRAFTER_CPU = 0, 1  # indexes into the CPUs this process may use
 NO_PINNING: tuple[int, ...] = ()
 
 
@@ -126,6 +126,17 @@ def resolve_draft_dir(cfg: StackConfig, target_dir: str, cache_root: str | None 
     return out_dir
 
 
+def usable_cpus() -> list[int]:
+    """The CPU ids this process may run on (its affinity mask; containers may hide some)."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def _pinned(cfg: StackConfig, index: int) -> tuple[int, ...]:
+    """The ``index``-th usable CPU when pinning is on and there are at least two, else no pinning."""
+    cpus = usable_cpus()
+    return (cpus[index],) if cfg.is_pinned and len(cpus) > DRAFTER_CPU else NO_PINNING
+
+
 def _engine_args(cfg: StackConfig, port: int, num_threads: int) -> list[str]:
     return ["--dtype", cfg.dtype, "--max-num-seqs", str(cfg.num_engine_slots),
             "--max-model-len", str(cfg.max_model_len), "--num-threads", str(num_threads),
@@ -136,14 +147,14 @@ def _engine_args(cfg: StackConfig, port: int, num_threads: int) -> list[str]:
 def verifier_spec(cfg: StackConfig, model_dir: str) -> ServiceSpec:
     """Verifier: pinned to core 0 with one thread next to a drafter; in ``ar`` it may use all cores."""
     is_alone = not cfg.has_drafter
-    num_threads = max(1, (os.cpu_count() or 1) // cfg.tensor_parallel_size) if is_alone else 1
+    num_threads = max(1, len(usable_cpus()) // cfg.tensor_parallel_size) if is_alone else 1
     args = ["-m", "verifier_svc", "--model", model_dir, *_engine_args(cfg, cfg.verifier_port, num_threads)]
     if cfg.tensor_parallel_size > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc-per-node={cfg.tensor_parallel_size}"]
         argv = [*launcher, "-m", *args[1:]]  # torchrun -m verifier_svc ...
         return ServiceSpec("verifier", argv, f"{cfg.host}:{cfg.verifier_port}")
-    cpus = (VERIFIER_CPU,) if cfg.is_pinned and not is_alone else NO_PINNING
+    cpus = _pinned(cfg, VERIFIER_CPU) if not is_alone else NO_PINNING
     return ServiceSpec("verifier", [sys.executable, *args], f"{cfg.host}:{cfg.verifier_port}", cpus)
 
 
@@ -151,7 +162,7 @@ def drafter_spec(cfg: StackConfig, model_dir: str, draft_dir: str) -> ServiceSpe
     """Drafter: pinned to core 1 with one thread."""
     argv = [sys.executable, "-m", "drafter_svc", "--draft", draft_dir, "--model", model_dir,
             *_engine_args(cfg, cfg.drafter_port, 1)]
-    cpus = (DRAFTER_CPU,) if cfg.is_pinned and (os.cpu_count() or 1) > DRAFTER_CPU else NO_PINNING
+    cpus = _pinned(cfg, DRAFTER_CPU)
     return ServiceSpec("drafter", argv, f"{cfg.host}:{cfg.drafter_port}", cpus)
 
 
