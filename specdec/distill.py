@@ -39,7 +39,6 @@ TRAIN_FILES = ("arena_hard/arena-hard-v0.1_question.jsonl", "arena_hard/arena-ha
                "mt_bench/question.jsonl", "fastchat_sample/vicuna_bench_question.jsonl",
                "fastchat_sample/dummy_conversation_sharegpt_format.json")
 EVAL_FILE = "spec_bench/question.jsonl"
-IGNORE = -100
 
 
 @dataclass(frozen=True)
@@ -233,14 +232,19 @@ def load_target(cfg: DistillConfig, device: str):
     return model, tokenizer
 
 
+def _eos_ids(tokenizer, target) -> tuple[int, ...]:
+    gen_eos = target.generation_config.eos_token_id
+    gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+    return tuple(dict.fromkeys(t for t in [tokenizer.eos_token_id, *gen_eos] if t is not None))
+
+
 def build_dataset(cfg: DistillConfig, target, tokenizer, device: str):
     """(train pairs, train teacher top-k, held-out pairs), cached in the work dir."""
     prompts = load_prompts(cfg.data_dir)
     random.Random(cfg.seed).shuffle(prompts)
     encoded = encode_prompts(tokenizer, prompts, cfg.max_prompt_tokens)[:cfg.max_prompts + cfg.num_heldout]
     heldout, train = encoded[:cfg.num_heldout], encoded[cfg.num_heldout:]
-    eos = tuple({tokenizer.eos_token_id, *([target.generation_config.eos_token_id] if isinstance(
-        target.generation_config.eos_token_id, int) else target.generation_config.eos_token_id or [])} - {None})
+    eos = _eos_ids(tokenizer, target)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     work = cfg.work_dir
 
