@@ -1,4 +1,5 @@
-"""Verifier tensor parallelism: TP=2 under torchrun (gloo) equals TP=1 in process."""
+"""Verifier tensor parallelism: TP=2 under torchrun (gloo) equals TP=1 in process (greedy and
+seeded sampled requests, draft probs broadcast to rank 1)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,22 @@ from verifier_svc.tp import TPContext, check_tp_divides_heads, shard_head_counts
 NUM_HEADS, NUM_KV_HEADS = 4, 2
 START_TIMEOUT_S = 240
 LOGPROB_ATOL = 1e-4  # float32, TP=2 all-reduce order vs TP=1
-PROMPTS = {"a": [5, 6, 7, 8], "b": [9, 10], "c": [11, 12, 13, 14, 15, 16]}
-DRAFTS = [[[3, 4, 5], [6, 7, 8], [9, 10, 11]], [[12, 13, 14], [15, 16, 17], [18, 19, 20]]]
+PROMPTS = {"a": [5, 6, 7, 8], "b": [9, 10], "c": [11, 12, 13, 14, 15, 16], "sampled": [17, 18, 19]}
+SAMPLED_SEED = 11
+DRAFTS = [[[3, 4, 5], [6, 7, 8], [9, 10, 11], [1, 2, 3]], [[12, 13, 14], [15, 16, 17], [18, 19, 20], [4, 5, 6]]]
+VOCAB_SIZE = 128
+
+
+def _draft_probs(step: int) -> torch.Tensor:
+    """Fixed draft distributions [4, 3, V] (sent inline; broadcast to rank 1 by the channel)."""
+    gen = torch.Generator().manual_seed(step)
+    return torch.softmax(torch.randn(len(PROMPTS), 3, VOCAB_SIZE, generator=gen) * 3, dim=-1)
+
+
+def _sampling(request_id: str) -> dict:
+    if request_id == "sampled":
+        return {"temperature": 0.9, "seed": SAMPLED_SEED}
+    return {"temperature": 0.0}
 
 
 def _free_port() -> int:
@@ -53,13 +68,14 @@ def test_tp_context_validation(fields):
         TPContext(**fields)
 
 
-def _greedy_verify_loop(add, verify) -> list[tuple[list[int], list[float]]]:
-    """Add three greedy requests, then verify fixed drafts (k = 3) and one decode (k = 0)."""
+def _verify_loop(add, verify) -> list[tuple[list[int], list[float]]]:
+    """Add three greedy and one seeded sampled request, verify fixed drafts (k = 3) with fixed
+    draft probs, then one decode (k = 0)."""
     ids = list(PROMPTS)
     outputs = [(o.token_ids, o.logprobs) for o in add(ids)]
-    for drafts in DRAFTS:
-        outputs += [(o.token_ids, o.logprobs) for o in verify(ids, drafts)]
-    outputs += [(o.token_ids, o.logprobs) for o in verify(ids, [[] for _ in ids])]
+    for step, drafts in enumerate(DRAFTS):
+        outputs += [(o.token_ids, o.logprobs) for o in verify(ids, drafts, _draft_probs(step))]
+    outputs += [(o.token_ids, o.logprobs) for o in verify(ids, [[] for _ in ids], None)]
     return [(list(tokens), list(logprobs)) for tokens, logprobs in outputs]
 
 
@@ -70,24 +86,27 @@ def _in_process(model_dir: str):
     from specdec.worker import TargetWorker
 
     worker = TargetWorker(ModelRunner(ModelConfig(model=model_dir), CacheConfig(max_num_seqs=4, max_model_len=128)))
-    return _greedy_verify_loop(
-        lambda ids: [worker.add_request(r, PROMPTS[r], SamplingParams(temperature=0.0)) for r in ids],
-        lambda ids, drafts: worker.verify(ids, drafts, None))
+    return _verify_loop(
+        lambda ids: [worker.add_request(r, PROMPTS[r], SamplingParams(**_sampling(r))) for r in ids],
+        lambda ids, drafts, probs: worker.verify(ids, drafts, probs))
 
 
 def _via_grpc(stub):
     def add(ids):
         seqs = [engine_pb2.SeqInit(request_id=r, prompt_token_ids=PROMPTS[r],
-                                   sampling=common_pb2.SamplingParams(temperature=0.0)) for r in ids]
+                                   sampling=common_pb2.SamplingParams(**_sampling(r))) for r in ids]
         return stub.AddRequests(engine_pb2.AddRequestsRequest(seqs=seqs)).outputs
 
-    def verify(ids, drafts):
-        request = engine_pb2.VerifyRequest(request_ids=ids)
+    def verify(ids, drafts, probs):
+        request = engine_pb2.VerifyRequest(request_ids=ids, data_plane=engine_pb2.DATA_PLANE_INLINE)
         if drafts[0]:
             request.draft_token_ids.CopyFrom(tensor_to_proto(torch.tensor(drafts, dtype=torch.int32)))
+        if probs is not None:
+            request.draft_probs.CopyFrom(tensor_to_proto(probs))
+            request.has_draft_probs = True
         return stub.Verify(request).outputs
 
-    return _greedy_verify_loop(add, verify)
+    return _verify_loop(add, verify)
 
 
 def test_torchrun_tp2_verifier_equals_tp1(tmp_path):
@@ -109,7 +128,7 @@ def test_torchrun_tp2_verifier_equals_tp1(tmp_path):
             assert info.tensor_parallel_size == 2
             tp2 = _via_grpc(stub)
             stub.ReleaseRequests(engine_pb2.ReleaseRequest(request_ids=list(PROMPTS)))
-            assert stub.GetInfo(engine_pb2.EngineInfoRequest()).num_free_slots == 4
+            assert stub.GetInfo(engine_pb2.EngineInfoRequest()).num_free_slots == len(PROMPTS)
         tp1 = _in_process(model_dir)
         assert [tokens for tokens, _ in tp2] == [tokens for tokens, _ in tp1]
         for (_, lp2), (_, lp1) in zip(tp2, tp1):
