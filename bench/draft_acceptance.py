@@ -36,6 +36,7 @@ import time
 from collections import defaultdict
 
 import torch
+from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from specdec.config import ModelConfig
@@ -121,6 +122,54 @@ def acceptance_table(betas_by_cat: dict[str, list[torch.Tensor]], num_trials: in
 
 
 @torch.no_grad()
+def sd_accepted_counts(target, draft, prompt: list[int], k: int, temperature: float, max_new: int,
+                       gen: torch.Generator) -> list[int]:
+    """Cross-check: real speculative decoding (draft k, verify, rejection sampling of Leviathan et
+    al. 2023, Alg. 1) with KV caches for one prompt; returns the accepted count of each step."""
+    t_cache, d_cache, seq, counts = DynamicCache(), DynamicCache(), list(prompt), []
+    target(torch.tensor([seq[:-1]]), past_key_values=t_cache, use_cache=True)
+    while len(seq) - len(prompt) < max_new:
+        drafts, q_rows, feed = [], [], seq[d_cache.get_seq_length():]
+        for _ in range(k):
+            q = _probs(draft(torch.tensor([feed]), past_key_values=d_cache, use_cache=True).logits[0, -1], temperature)
+            tok = int(q.argmax()) if temperature == 0 else int(torch.multinomial(q, 1, generator=gen))
+            drafts, q_rows, feed = drafts + [tok], q_rows + [q], [tok]
+        logits = target(torch.tensor([[seq[-1]] + drafts]), past_key_values=t_cache, use_cache=True).logits[0]
+        p_rows = [_probs(row, temperature) for row in logits]
+        accepted, new_tok = 0, None
+        for i, tok in enumerate(drafts):
+            ratio = 1.0 if temperature == 0 and int(p_rows[i].argmax()) == tok else (
+                0.0 if temperature == 0 else float(p_rows[i][tok] / q_rows[i][tok]))
+            if float(torch.rand(1, generator=gen)) >= min(1.0, ratio):
+                residual = (p_rows[i] - q_rows[i]).clamp_min(0)
+                new_tok = _sample(residual / residual.sum() if temperature > 0 else p_rows[i], temperature, gen)
+                break
+            accepted += 1
+        if new_tok is None:
+            new_tok = _sample(p_rows[k], temperature, gen)
+        seq += drafts[:accepted] + [new_tok]
+        counts.append(accepted)
+        _crop_to(t_cache, len(seq) - 1)
+        _crop_to(d_cache, len(seq) - 1)
+    return counts
+
+
+def _crop_to(cache: DynamicCache, length: int) -> None:
+    """KV rollback to ``length`` tokens (no-op when the cache is not longer)."""
+    excess = cache.get_seq_length() - length
+    if excess > 0:
+        cache.crop(-excess)
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits.float() / (temperature or 1.0), -1)
+
+
+def _sample(probs: torch.Tensor, temperature: float, gen: torch.Generator) -> int:
+    return int(probs.argmax()) if temperature == 0 else int(torch.multinomial(probs, 1, generator=gen))
+
+
+@torch.no_grad()
 def forward_ms(model, batch: int, context: int, num_iters: int) -> float:
     """Median wall time (ms) of one single-token decode forward over a ``context``-token KV cache."""
     cache = DynamicCache()
@@ -151,7 +200,11 @@ def write_markdown(res: dict, path: str) -> None:
             rates = ", ".join(f"{r:.3f}" for r in table["all"][k]["acceptance_rate_per_pos"])
             lines.append(f"- k={k}: {rates}")
         lines.append("")
-    lines += ["## Forward time (CPU, 1 thread, one decode token, median ms)", "",
+    lines += ["## Cross-check: real speculative decoding (KV caches, rejection sampling), k=4", ""]
+    for temp, c in res["real_sd_check"].items():
+        lines.append(f"- temperature {temp}: mean acceptance length {c['mean_acceptance_length']:.2f} "
+                     f"over {c['num_steps']} steps")
+    lines += ["", "## Forward time (CPU, 1 thread, one decode token, median ms)", "",
               "| batch | draft ms | target ms | draft/target |", "|---|---|---|---|"]
     for b, t in res["forward_ms"].items():
         lines.append(f"| {b} | {t['draft']:.2f} | {t['target']:.2f} | {t['ratio']:.3f} |")
@@ -170,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--num-iters", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-check-per-category", type=int, default=2,
+                    help="prompts per category for the real-SD cross-check at k=4")
     ap.add_argument("--out-name", default="draft_acceptance")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -182,17 +237,23 @@ def main(argv: list[str] | None = None) -> int:
     acceptance = {}
     for temp in TEMPERATURES:
         betas = {c: [trajectory_betas(target, draft, p, temp, args.max_new_tokens, tokenizer.eos_token_id, gen)
-                     for p in ps] for c, ps in prompts.items()}
+                     for p in tqdm(ps, desc=f"T={temp} {c}", mininterval=30)] for c, ps in prompts.items()}
         acceptance[str(temp)] = acceptance_table(betas, args.num_trials, args.seed)
         print(f"T={temp}: k=4 mean acceptance length {acceptance[str(temp)]['all'][4]['mean_acceptance_length']:.3f}",
               flush=True)
+    check = {}
+    for temp in TEMPERATURES:
+        counts = [c for ps in prompts.values() for p in ps[:args.num_check_per_category]
+                  for c in sd_accepted_counts(target, draft, p, 4, temp, args.max_new_tokens, gen)]
+        check[str(temp)] = {"k": 4, "num_steps": len(counts), "mean_acceptance_length": 1 + sum(counts) / max(len(counts), 1)}
+        print(f"real SD check T={temp}: {check[str(temp)]}", flush=True)
     fwd = {}
     for b in (1, 16):
         d, t = (forward_ms(m, b, args.context, args.num_iters) for m in (draft, target))
         fwd[str(b)] = {"draft": d, "target": t, "ratio": d / t}
     res = {"draft": args.draft, "target": read_meta(args.draft).target, "method": __doc__.split("\n\n", 1)[1],
            "num_prompts": {c: len(p) for c, p in prompts.items()}, "max_new_tokens": args.max_new_tokens,
-           "acceptance": acceptance, "forward_ms": fwd, "draft_training": read_meta(args.draft).training}
+           "acceptance": acceptance, "real_sd_check": check, "forward_ms": fwd, "draft_training": read_meta(args.draft).training}
     os.makedirs(RESULTS_DIR, exist_ok=True)
     with open(os.path.join(RESULTS_DIR, args.out_name + ".json"), "w", encoding="utf-8") as f:
         json.dump(res, f, indent=2)
