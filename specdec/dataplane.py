@@ -12,7 +12,7 @@ Planes (``--data-plane``):
 - ``dist``: torch.distributed point-to-point in a 2-rank gloo group of its own (a
   ``ProcessGroupGloo`` over a ``TCPStore`` on ``addr:port``, default 127.0.0.1:29600), separate
   from the verifier's tensor-parallel world. Rank 0 = drafter (hosts the store), rank 1 =
-  verifier rank 0.
+  verifier rank 0. Tensors cross as CPU bytes (gloo); a GPU-to-GPU NCCL pair is not done yet.
 
 Protocol of the dist plane ("send only on demand", so a send can never be left unreceived):
 1. Draft(step_id) on the drafter: ``DraftProbsServer.publish(step_id, request_ids, probs)``
