@@ -250,6 +250,7 @@ def load_draft(
         the draft in ``eval()`` mode; ``embed_tokens.weight`` is ``lm_head.weight`` when tied.
     Raises:
         IncompatibleDraftError: the target's embeddings do not match the recorded fingerprint.
+        ValueError: ``target_model`` has another dtype/device than ``model_cfg``.
         FileNotFoundError: missing draft files or target embeddings.
     """
     meta = read_meta(draft_dir)
@@ -260,6 +261,9 @@ def load_draft(
     check_fingerprint(meta.target_fingerprint, embed)
     dtype = model_cfg.torch_dtype if model_cfg is not None else torch.float32
     device = model_cfg.device if model_cfg is not None else "cpu"
+    if target_model is not None and (embed.dtype != dtype or embed.device.type != torch.device(device).type):
+        raise ValueError(f"model_cfg dtype/device ({dtype}, {device}) must equal the shared target's "
+                         f"({embed.dtype}, {embed.device}) to share its embeddings by reference")
     config = AutoConfig.from_pretrained(draft_dir)
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation

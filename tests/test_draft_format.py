@@ -123,3 +123,9 @@ def test_meta_validation_names_the_field():
         fmt.DraftMeta(target="t", target_fingerprint={}, num_layers=2, init_layers=(0,))
     with pytest.raises(ValueError, match="num_layers"):
         fmt.DraftMeta(target="t", target_fingerprint={}, num_layers=0, init_layers=())
+
+
+def test_sharing_a_target_of_another_dtype_is_refused(draft_dir, target_dir):
+    target = LlamaForCausalLM.from_pretrained(target_dir).eval()
+    with pytest.raises(ValueError, match="dtype"):
+        fmt.load_draft(draft_dir, ModelConfig(model=draft_dir, dtype="bfloat16"), target_model=target)
