@@ -260,3 +260,28 @@ def test_serve_until_signal_drains_and_stops():
 
     assert asyncio.run(scenario()) == ["drain serving=False", "stopped"]
 
+
+
+def test_wait_for_serving_follows_the_health_watch_and_times_out():
+    from minedraft.serving import wait_for_serving
+
+    async def scenario() -> None:
+        server, health, port = await build_server(["minedraft.v1.Verifier"])
+        await server.start()
+        target = f"127.0.0.1:{port}"
+        waiter = asyncio.create_task(wait_for_serving(target, 10, service="minedraft.v1.Verifier"))
+        await asyncio.sleep(0.3)
+        assert not waiter.done()  # NOT_SERVING until the caller says so
+        await health.set_serving()
+        await asyncio.wait_for(waiter, 5)
+        await server.stop(0)
+        with pytest.raises(TimeoutError, match="not SERVING"):
+            await wait_for_serving(target, 0.5)  # nothing listens any more
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("field, value", [("port", 70000), ("max_message_bytes", 0), ("host", "")])
+def test_server_options_validation(field, value):
+    with pytest.raises(ValueError, match=field):
+        ServerOptions(**{field: value})
