@@ -6,7 +6,8 @@ Method (plain HF forwards, no serving stack):
   (MT-Bench's writing, roleplay, ...) form the category ``multi_turn``, the others keep their name
   (translation, summarization, qa, math_reasoning, rag). First ``--num-per-category`` prompts of
   at most ``--max-prompt-tokens`` tokens per category.
-- Trajectory: the TARGET generates ``--max-new-tokens`` tokens (greedy at T=0, sampled at T=1).
+- Trajectory: the TARGET generates up to ``--max-new-tokens`` tokens (greedy at T=0, sampled at
+  T=1; batched per category, left-padded; stops at EOS).
   Speculative decoding is lossless, so this is distributed as SD's own output.
 - Per-position acceptance probability ``beta_j`` along the trajectory, both models teacher-forced
   on it: T=0: ``beta_j = 1[argmax q_j == argmax p_j]`` (exact: a greedy draft token is accepted iff
@@ -40,6 +41,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from specdec.config import ModelConfig
+from specdec.distill import pad_batch
 from specdec.draft_format import load_draft, read_meta, resolve_target_dir
 
 SPEC_BENCH = "/work/shared/data/spec_bench/question.jsonl"
@@ -66,22 +68,31 @@ def load_prompts(tokenizer, path: str, num_per_category: int, max_tokens: int) -
 
 
 @torch.no_grad()
-def trajectory_betas(target, draft, prompt: list[int], temperature: float, max_new: int, eos: int,
-                     gen: torch.Generator) -> torch.Tensor:
-    """Target trajectory of ``max_new`` tokens and ``beta_j`` per generated position ``[n]``."""
-    ids = torch.tensor([prompt])
+def trajectory_betas(target, draft, prompts: list[list[int]], temperature: float, max_new: int, eos: int,
+                     gen: torch.Generator, chunk: int = 4) -> list[torch.Tensor]:
+    """Target trajectories of up to ``max_new`` tokens (batched, left-padded generation) and
+    ``beta_j`` per generated position ``[n_i]`` for each prompt."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     kwargs = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature,
                                                               "top_k": None, "top_p": None}
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    seq = target.generate(ids, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=eos, **kwargs)[0]
-    n = seq.numel() - len(prompt)
-    p_logits = target(seq[None]).logits[0, len(prompt) - 1:-1]
-    q_logits = draft(seq[None]).logits[0, len(prompt) - 1:-1]
-    if temperature == 0:
-        return (p_logits.argmax(-1) == q_logits.argmax(-1)).float()[:n]
-    p = torch.softmax(p_logits / temperature, -1)
-    q = torch.softmax(q_logits / temperature, -1)
-    return torch.minimum(p, q).sum(-1).clamp(0, 1)[:n]
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new, eos_token_id=eos,
+                          pad_token_id=eos, **kwargs)[:, width:].tolist()
+    pairs = [(p, row[:row.index(eos) + 1] if eos in row else row) for p, row in zip(prompts, out)]
+    betas = []
+    for start in range(0, len(pairs), chunk):
+        ids, mask, is_resp = pad_batch(pairs[start:start + chunk], "cpu")
+        p_logits = target(input_ids=ids, attention_mask=mask).logits
+        q_logits = draft(input_ids=ids, attention_mask=mask).logits
+        for i in range(ids.shape[0]):
+            p_i, q_i = p_logits[i][is_resp[i]], q_logits[i][is_resp[i]]
+            if temperature == 0:
+                betas.append((p_i.argmax(-1) == q_i.argmax(-1)).float())
+            else:
+                betas.append(torch.minimum(_probs(p_i, temperature), _probs(q_i, temperature)).sum(-1).clamp(0, 1))
+    return betas
 
 
 def simulate(betas: torch.Tensor, k: int, num_trials: int, gen: torch.Generator) -> tuple[list[int], list[int]]:
@@ -223,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--num-iters", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--num-check-per-category", type=int, default=2,
+    ap.add_argument("--num-check-per-category", type=int, default=1,
                     help="prompts per category for the real-SD cross-check at k=4")
     ap.add_argument("--out-name", default="draft_acceptance")
     args = ap.parse_args(argv)
@@ -236,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     acceptance = {}
     for temp in TEMPERATURES:
-        betas = {c: [trajectory_betas(target, draft, p, temp, args.max_new_tokens, tokenizer.eos_token_id, gen)
-                     for p in tqdm(ps, desc=f"T={temp} {c}", mininterval=30)] for c, ps in prompts.items()}
+        betas = {c: trajectory_betas(target, draft, ps, temp, args.max_new_tokens, tokenizer.eos_token_id, gen)
+                 for c, ps in tqdm(prompts.items(), desc=f"T={temp} categories")}
         acceptance[str(temp)] = acceptance_table(betas, args.num_trials, args.seed)
         print(f"T={temp}: k=4 mean acceptance length {acceptance[str(temp)]['all'][4]['mean_acceptance_length']:.3f}",
               flush=True)
