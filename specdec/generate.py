@@ -17,6 +17,8 @@ Metrics (as vLLM's spec-decode metrics): ``num_drafts`` = number of (request, ve
 with k > 0 draft tokens; ``num_accepted_tokens`` = accepted draft tokens over those;
 **mean acceptance length** = ``1 + num_accepted_tokens / num_drafts`` = mean number of tokens
 committed per verify step per request (1.0 for ``ar``). Throughput is output tokens/s of wall time.
+``psd`` also counts its steps and the *parallel* ones (both batches non-empty: one drafted while
+the other is verified), the paper's parallel-step ratio.
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ class LoopStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_steps: int = 0
+    num_parallel_steps: int = 0
     elapsed_s: float = 0.0
 
     @property
@@ -206,12 +210,14 @@ class ReferenceLoop:
     def _psd_step(self) -> None:
         """One MineDraft step (paper §5.1) run in turn: draft ``skip_batch``, verify the other."""
         k = self.cfg.num_speculative_tokens
+        self.stats.num_steps += 1
         draft_batch = [self._running[r] for r in self._batches.draft_batch()]
         verify_batch = [self._running[r] for r in self._batches.verify_batch()]
         self._draft([r for r in verify_batch if r.drafts is None], k)   # not drafted yet
         self._draft(draft_batch, k)
         self._verify(verify_batch)
         if draft_batch:
+            self.stats.num_parallel_steps += bool(verify_batch)
             self._batches.flip()
         else:                                    # one batch empty: standard SD on the other
             self._batches.mark_started()
@@ -316,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mode={args.mode} k={args.k} requests={len(requests)} "
           f"output_tokens={stats.num_output_tokens} elapsed_s={stats.elapsed_s:.2f} "
           f"output_tokens_per_s={stats.output_tokens_per_s:.2f} "
-          f"mean_acceptance_length={stats.mean_acceptance_length:.3f}")
+          f"mean_acceptance_length={stats.mean_acceptance_length:.3f}"
+          + (f" parallel_steps={stats.num_parallel_steps}/{stats.num_steps}"
+             if args.mode == "psd" else ""))
     return 0
 
 
