@@ -11,6 +11,7 @@ from minedraft.stack import DATA_PLANES, DEFAULT_TARGET, MODES, StackConfig
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 DEFAULT_PROMPTS = "../shared/data/spec_bench/question.jsonl"
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell convention
 
 
 def add_stack_args(p: argparse.ArgumentParser) -> None:
@@ -141,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: every stack was stopped on the way out
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
