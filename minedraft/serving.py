@@ -131,7 +131,9 @@ async def build_server(
     """
     options = options or ServerOptions()
     server = grpc.aio.server(
-        interceptors=list(interceptors), options=message_size_options(options.max_message_bytes)
+        interceptors=list(interceptors),
+        # SO_REUSEPORT off: a second process on a taken port must fail, not silently share traffic.
+        options=[*message_size_options(options.max_message_bytes), ("grpc.so_reuseport", 0)],
     )
     serving_health = ServingHealth(service_names)
     await serving_health.set_not_serving()
