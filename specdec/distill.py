@@ -39,6 +39,18 @@ TRAIN_FILES = ("arena_hard/arena-hard-v0.1_question.jsonl", "arena_hard/arena-ha
                "mt_bench/question.jsonl", "fastchat_sample/vicuna_bench_question.jsonl",
                "fastchat_sample/dummy_conversation_sharegpt_format.json")
 EVAL_FILE = "spec_bench/question.jsonl"
+FIELD_HELP = {
+    "gguf_file": "GGUF file name inside --target (a dir)", "work_dir": "data cache + checkpoints (default $MINEDRAFT_CACHE/distill/<out name>)",
+    "data_dir": "dir with arena_hard/, mt_bench/, fastchat_sample/, spec_bench/ (excluded)",
+    "num_layers": "draft decoder layers", "max_prompts": "training prompts", "num_heldout": "held-out prompts",
+    "max_prompt_tokens": "drop longer prompts (tokens)", "max_new_tokens": "target response length (tokens)",
+    "num_samples": "sampled responses per prompt besides the greedy one", "sample_temperature": "their temperature",
+    "top_k_logits": "teacher logits kept per position", "gen_batch_size": "generation batch (sequences)",
+    "batch_size": "training batch (sequences)", "num_epochs": "epochs", "lr": "AdamW peak learning rate (cosine)",
+    "seed": "seed of shuffling, sampling and batching", "device": "auto | cpu | cuda[:i]",
+    "save_dtype": "dtype of the saved draft weights", "checkpoint_every": "steps between checkpoints",
+    "record_target": "target alias written to the draft metadata (default --target)",
+}
 
 
 @dataclass(frozen=True)
@@ -306,7 +318,8 @@ def run(cfg: DistillConfig) -> dict:
     t0 = time.perf_counter()
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     if cfg.work_dir is None:
-        cfg = replace(cfg, work_dir=os.path.join(cfg.out_dir, ".distill_work"))
+        from specdec.loader import cache_root  # work data stays out of the draft dir
+        cfg = replace(cfg, work_dir=os.path.join(cache_root(), "distill", os.path.basename(os.path.abspath(cfg.out_dir))))
     os.makedirs(cfg.work_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
     target, tokenizer = load_target(cfg, device)
@@ -337,7 +350,8 @@ def parse_args(argv: list[str] | None) -> DistillConfig:
         if f.name in ("target", "out_dir", "init_layers"):
             continue
         kind = type(f.default) if f.default is not None else str
-        ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
+        ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
+                        help=f"{FIELD_HELP.get(f.name, '')} (default: %(default)s)")
     ns = vars(ap.parse_args(argv))
     ns["init_layers"] = tuple(int(x) for x in ns["init_layers"].split(",") if x.strip())
     if ns["init_layers"]:
