@@ -34,7 +34,7 @@ class StackConfig:
         target: target model alias or dir; draft: draft dir ("" = default, see ``resolve_draft_dir``).
         max_model_len: tokens (prompt + output) per request, same in every service.
         dtype: engine parameter / KV dtype.
-        is_pinned: pin verifier to core 0 and drafter to core 1, one torch thread each.
+        is_pinned: pin verifier to core 0 and drafter to core 1 (one torch thread each, always).
         host, *_port: loopback addresses of the services.
         runs_dir: logs go to ``<runs_dir>/<timestamp>/<service>.log``.
         startup_timeout_s, stop_timeout_s: seconds to reach SERVING / to exit after SIGTERM.
@@ -145,17 +145,17 @@ def _engine_args(cfg: StackConfig, port: int, num_threads: int) -> list[str]:
 
 
 def verifier_spec(cfg: StackConfig, model_dir: str) -> ServiceSpec:
-    """Verifier: pinned to core 0 with one thread next to a drafter; in ``ar`` it may use all cores."""
-    is_alone = not cfg.has_drafter
-    num_threads = max(1, len(usable_cpus()) // cfg.tensor_parallel_size) if is_alone else 1
-    args = ["-m", "verifier_svc", "--model", model_dir, *_engine_args(cfg, cfg.verifier_port, num_threads)]
+    """Verifier: one torch thread per rank, pinned to the first usable core (TP=1), in every mode,
+    so ``ar``, ``sd`` and ``psd`` run the same target configuration and differ only in speculation.
+    (Two OpenMP threads on a 2-core machine that also runs anything else slow a decode step down
+    3-4x: spinning threads wait for the descheduled one.)"""
+    args = ["-m", "verifier_svc", "--model", model_dir, *_engine_args(cfg, cfg.verifier_port, 1)]
     if cfg.tensor_parallel_size > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc-per-node={cfg.tensor_parallel_size}"]
-        argv = [*launcher, "-m", *args[1:]]  # torchrun -m verifier_svc ...
-        return ServiceSpec("verifier", argv, f"{cfg.host}:{cfg.verifier_port}")
-    cpus = _pinned(cfg, VERIFIER_CPU) if not is_alone else NO_PINNING
-    return ServiceSpec("verifier", [sys.executable, *args], f"{cfg.host}:{cfg.verifier_port}", cpus)
+        return ServiceSpec("verifier", [*launcher, *args], f"{cfg.host}:{cfg.verifier_port}")
+    return ServiceSpec("verifier", [sys.executable, *args], f"{cfg.host}:{cfg.verifier_port}",
+                       _pinned(cfg, VERIFIER_CPU))
 
 
 def drafter_spec(cfg: StackConfig, model_dir: str, draft_dir: str) -> ServiceSpec:
