@@ -36,6 +36,7 @@ PROBE_RTOL = 1e-2  # bf16 vs fp32 storage of the same target stays far inside th
 EMBED_KEY_SUFFIX = "embed_tokens.weight"
 LM_HEAD_KEY = "lm_head.weight"
 OWN_WEIGHT_PREFIXES = ("model.layers.", "model.norm.")
+CONFIG_KEYS_NOT_INHERITED = ("quantization_config", "_name_or_path", "_model_name_or_path")  # e.g. GGUF
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,8 @@ def read_target_embeddings(target_dir: str) -> tuple[torch.Tensor, torch.Tensor 
 
 def draft_config_from_target(target_config: LlamaConfig, num_layers: int) -> LlamaConfig:
     """Copy of the target's Llama config with ``num_hidden_layers = num_layers``."""
-    cfg = LlamaConfig.from_dict(target_config.to_dict())
+    raw = {k: v for k, v in target_config.to_dict().items() if k not in CONFIG_KEYS_NOT_INHERITED}
+    cfg = LlamaConfig.from_dict(raw)
     cfg.num_hidden_layers = num_layers
     cfg.layer_types = None if getattr(cfg, "layer_types", None) is None else ["full_attention"] * num_layers
     return cfg

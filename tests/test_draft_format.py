@@ -129,3 +129,11 @@ def test_sharing_a_target_of_another_dtype_is_refused(draft_dir, target_dir):
     target = LlamaForCausalLM.from_pretrained(target_dir).eval()
     with pytest.raises(ValueError, match="dtype"):
         fmt.load_draft(draft_dir, ModelConfig(model=draft_dir, dtype="bfloat16"), target_model=target)
+
+
+def test_draft_config_drops_the_targets_quantization_config():
+    from transformers import LlamaConfig
+
+    gguf = {"quant_method": "gguf", "gguf_file": "t.gguf", "dequantize": False}
+    cfg = fmt.draft_config_from_target(LlamaConfig(num_hidden_layers=4, quantization_config=gguf), 2)
+    assert cfg.num_hidden_layers == 2 and getattr(cfg, "quantization_config", None) is None
