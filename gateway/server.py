@@ -21,7 +21,7 @@ from minedraft.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, gene
 from gateway.config import GatewayConfig
 from gateway.output import RequestOutput
 from gateway.tokenizer import PromptTokenizer
-from gateway.validation import InvalidRequestError, prepare_request
+from gateway.validation import InvalidRequestError, PreparedRequest, prepare_request
 
 logger = logging.getLogger(__name__)
 
@@ -54,15 +54,30 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
             logger.warning("abort of %s at the coordinator failed: %s", request_id, exc.details())
             return False
 
-    async def Generate(self, request, context):
-        try:
-            # On the event-loop thread on purpose: the tokenizer is not thread-safe (see PromptTokenizer).
-            prepared = prepare_request(request, self._tokenizer, self._cfg)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    @property
+    def config(self) -> GatewayConfig:
+        return self._cfg
+
+    @property
+    def tokenizer(self) -> PromptTokenizer:
+        return self._tokenizer
+
+    def prepare(self, request: generate_pb2.GenerateRequest) -> PreparedRequest:
+        """Validates and tokenizes ``request`` (shared by the gRPC and HTTP front ends).
+        Call it on the event-loop thread: the tokenizer is not thread-safe (see PromptTokenizer).
+
+        Raises:
+            InvalidRequestError: a field is invalid, or the request id is already in flight.
+        """
+        prepared = prepare_request(request, self._tokenizer, self._cfg)
+        if prepared.request_id in self._in_flight:
+            raise InvalidRequestError("request_id", f"{prepared.request_id!r} is already in flight")
+        return prepared
+
+    async def run(self, prepared: PreparedRequest):
+        """Streams one prepared request: GenerateResponse chunks, then one ``complete`` or ``error``.
+        Closing the generator early aborts the request at the coordinator."""
         request_id = prepared.request_id
-        if request_id in self._in_flight:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {request_id!r} is already in flight")
         self._in_flight.add(request_id)
         try:
             async with contextlib.aclosing(self._stream(prepared)) as stream:
@@ -70,6 +85,15 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
                     yield response
         finally:
             self._in_flight.discard(request_id)
+
+    async def Generate(self, request, context):
+        try:
+            prepared = self.prepare(request)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        async with contextlib.aclosing(self.run(prepared)) as stream:
+            async for response in stream:
+                yield response
 
     async def _stream(self, prepared):
         request_id = prepared.request_id

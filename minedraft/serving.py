@@ -36,6 +36,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from minedraft import telemetry
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
@@ -76,8 +78,10 @@ def message_size_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> 
 
 
 def aio_channel(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel to ``target`` ("host:port") with matching size limits."""
-    return grpc.aio.insecure_channel(target, options=message_size_options(max_message_bytes))
+    """An insecure grpc.aio channel to ``target`` ("host:port") with matching size limits; with
+    tracing on (``minedraft.telemetry``) its calls carry the current trace context."""
+    return grpc.aio.insecure_channel(target, options=message_size_options(max_message_bytes),
+                                     interceptors=telemetry.client_interceptors() or None)
 
 
 class ServingHealth:
@@ -121,7 +125,8 @@ async def build_server(
     Args:
         service_names: full names of the services the caller will add, e.g. "minedraft.v1.Drafter".
         options: host, port and message size limit; defaults to 127.0.0.1, a free port, 64 MiB.
-        interceptors: grpc.aio server interceptors (e.g. OpenTelemetry).
+        interceptors: extra grpc.aio server interceptors; OpenTelemetry's are added when tracing
+            is on (``minedraft.telemetry``).
 
     Returns:
         (server, health, bound_port). Add servicers, then ``await server.start()``.
@@ -131,7 +136,7 @@ async def build_server(
     """
     options = options or ServerOptions()
     server = grpc.aio.server(
-        interceptors=list(interceptors),
+        interceptors=[*telemetry.server_interceptors(), *interceptors],
         # SO_REUSEPORT off: a second process on a taken port must fail, not silently share traffic.
         options=[*message_size_options(options.max_message_bytes), ("grpc.so_reuseport", 0)],
     )
