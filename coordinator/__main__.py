@@ -13,6 +13,7 @@ import sys
 
 from coordinator.config import DEFAULT_DRAFTER, DEFAULT_PORT, DEFAULT_VERIFIER, CoordinatorConfig, DataPlaneKind, Mode
 from coordinator.server import serve
+from minedraft import telemetry
 
 
 def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
@@ -51,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
 def main(argv: list[str] | None = None) -> None:
     """Run the coordinator; exit status 1 when the engines never become ready."""
     cfg = parse_args(argv)
+    telemetry.init_tracing("coordinator")  # OTEL_* environment (minedraft.telemetry)
     try:
         asyncio.run(serve(cfg))
     except (TimeoutError, RuntimeError) as exc:

@@ -15,6 +15,7 @@ import os
 
 from drafter_svc.engine_service import DATA_PLANE_NAMES, add_common_args
 from drafter_svc.servicer import DrafterServicer
+from minedraft import telemetry
 from minedraft.serving import ServerOptions, build_server, serve_until_signal
 from minedraft.v1 import engine_pb2, engine_pb2_grpc
 
@@ -103,6 +104,7 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    telemetry.init_tracing("drafter")  # OTEL_* environment (minedraft.telemetry)
     asyncio.run(serve(args))
 
 

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 
+from minedraft import telemetry
 from minedraft.serving import ServerOptions, build_server, serve_until_signal
 from minedraft.v1 import generate_pb2_grpc
 
@@ -61,7 +62,9 @@ async def serve(cfg: GatewayConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    asyncio.run(serve(parse_args(argv)))
+    cfg = parse_args(argv)
+    telemetry.init_tracing("gateway")  # OTEL_* environment (minedraft.telemetry)
+    asyncio.run(serve(cfg))
 
 
 if __name__ == "__main__":

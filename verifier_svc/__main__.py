@@ -15,6 +15,7 @@ import logging
 import signal
 
 from drafter_svc.engine_service import DATA_PLANE_NAMES, add_common_args
+from minedraft import telemetry
 from minedraft.serving import ServerOptions, build_server, serve_until_signal
 from minedraft.v1 import engine_pb2, engine_pb2_grpc
 from verifier_svc.tp import TPContext
@@ -105,6 +106,7 @@ def follow(args: argparse.Namespace, ctx: TPContext) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    telemetry.init_tracing("verifier")  # OTEL_* environment (minedraft.telemetry); rank 0 serves the RPCs
     ctx = TPContext.from_env()
     try:
         if ctx.is_driver:
