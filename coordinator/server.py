@@ -2,7 +2,8 @@
 
 ``serve(cfg)`` builds the server (health NOT_SERVING + reflection, ``minedraft.serving``), waits
 until the verifier (and, in ``sd``/``psd``, the drafter) report SERVING and answer ``GetInfo``,
-starts the step loop (``coordinator.scheduler``), reports SERVING, and on SIGTERM/SIGINT drains:
+starts the step loop (``coordinator.scheduler``), reports SERVING (and from then on NOT_SERVING
+whenever the verifier is not SERVING: ``minedraft.serving.mirror_health``), and on SIGTERM/SIGINT drains:
 new requests are refused (UNAVAILABLE) and running ones get ``grace_s`` seconds to finish.
 """
 
@@ -15,7 +16,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from minedraft.serving import ServerOptions, build_server, serve_until_signal, wait_for_serving
+from minedraft.serving import ServerOptions, build_server, mirror_health, serve_until_signal, wait_for_serving
 from minedraft.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, engine_pb2
 
 from coordinator.config import CoordinatorConfig
@@ -184,11 +185,14 @@ async def serve(cfg: CoordinatorConfig) -> None:
         serve_metrics(scheduler.metrics, cfg.metrics_port, cfg.host)
         logger.info("metrics on http://%s:%d/metrics", cfg.host, cfg.metrics_port)
     await health.set_serving()
+    # readiness follows the verifier: without it no request can run (the drafter only speeds up)
+    watch = asyncio.create_task(mirror_health(cfg.verifier, health), name="verifier-health")
     try:
         await serve_until_signal(server, health, grace_s=cfg.grace_s, on_drain=servicer.drain)
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for background in (watch, task):
+            background.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await background
         await scheduler.engines.close()
     logger.info("coordinator stopped after %d steps", scheduler.totals.num_steps)

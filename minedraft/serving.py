@@ -38,6 +38,8 @@ from grpc_reflection.v1alpha import reflection
 
 from minedraft import telemetry
 
+from minedraft import telemetry
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
@@ -47,6 +49,8 @@ OVERALL_SERVICE = ""  # the health name that stands for the whole server
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _RETRY_DELAY_S = 0.1
+# Watch stream outcomes that mean "not yet": server down/restarting, stream cut, deadline of one try
+_RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
 @dataclass(frozen=True)
@@ -219,8 +223,9 @@ async def _watch_once(channel: grpc.aio.Channel, service: str, deadline: float) 
 async def wait_for_serving(target: str, timeout_s: float, service: str = OVERALL_SERVICE) -> None:
     """Wait until the server at ``target`` reports SERVING for ``service`` (default: overall).
 
-    Follows the health Watch stream; retries while the server is not up yet (UNAVAILABLE) or
-    the stream ends, until ``timeout_s`` seconds have passed.
+    Follows the health Watch stream; retries while the server is not up yet (UNAVAILABLE), the
+    stream ends or is cancelled (CANCELLED: e.g. the server is restarting), until ``timeout_s``
+    seconds have passed.
 
     Raises:
         TimeoutError: not SERVING within ``timeout_s``.
@@ -232,7 +237,7 @@ async def wait_for_serving(target: str, timeout_s: float, service: str = OVERALL
                 if await _watch_once(channel, service, deadline):
                     return
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if exc.code() not in _RETRY_CODES:
                     raise
             await asyncio.sleep(min(_RETRY_DELAY_S, max(deadline - time.monotonic(), 0)))
     raise TimeoutError(f"{target} (service {service!r}) not SERVING within {timeout_s:.1f} s")
@@ -241,3 +246,28 @@ async def wait_for_serving(target: str, timeout_s: float, service: str = OVERALL
 def wait_for_serving_sync(target: str, timeout_s: float, service: str = OVERALL_SERVICE) -> None:
     """Blocking ``wait_for_serving`` for code without an event loop (CLI, tests)."""
     asyncio.run(wait_for_serving(target, timeout_s, service))
+
+
+async def mirror_health(target: str, health: ServingHealth, retry_s: float = 0.5) -> None:
+    """Keep ``health`` SERVING only while the server at ``target`` reports SERVING (overall).
+
+    Follows its health Watch stream; when the stream breaks (the server died or restarts) or
+    reports anything but SERVING, ``health`` goes NOT_SERVING, and the watch is retried every
+    ``retry_s`` seconds. ``health`` stays NOT_SERVING for good once it entered graceful shutdown
+    (grpcio's health servicer ignores later sets). Runs until cancelled.
+    """
+    async with aio_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                async for response in stub.Watch(health_pb2.HealthCheckRequest(service=OVERALL_SERVICE)):
+                    if response.status == SERVING:
+                        await health.set_serving()
+                    else:
+                        await health.set_not_serving()
+            except grpc.aio.AioRpcError as exc:
+                logger.debug("health watch of %s: %s", target, exc.code())
+            if health.is_serving:
+                logger.warning("%s is not SERVING any more; reporting NOT_SERVING", target)
+            await health.set_not_serving()
+            await asyncio.sleep(retry_s)

@@ -285,3 +285,32 @@ def test_wait_for_serving_follows_the_health_watch_and_times_out():
 def test_server_options_validation(field, value):
     with pytest.raises(ValueError, match=field):
         ServerOptions(**{field: value})
+
+
+def test_wait_for_serving_retries_a_cancelled_watch():
+    """A Watch stream ending with CANCELLED (an engine restarting) is retried, not fatal."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from minedraft.serving import wait_for_serving
+
+    class RestartingHealth(health_pb2_grpc.HealthServicer):
+        num_watches = 0
+
+        async def Watch(self, request, context):
+            RestartingHealth.num_watches += 1
+            if RestartingHealth.num_watches == 1:
+                await context.abort(grpc.StatusCode.CANCELLED, "restarting")
+            yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    async def scenario() -> int:
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(RestartingHealth(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            await wait_for_serving(f"127.0.0.1:{port}", 10)
+        finally:
+            await server.stop(0)
+        return RestartingHealth.num_watches
+
+    assert asyncio.run(scenario()) == 2
