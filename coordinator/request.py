@@ -86,10 +86,13 @@ class RequestState:
             num_drafts=self.num_drafts,
         )
 
-    def send_chunk(self, token_ids: list[int], logprobs: list[float], num_drafted: int, num_accepted: int) -> None:
-        """Stream committed tokens (one step's worth) to the client."""
+    def send_chunk(self, token_ids: list[int], logprobs: list[float], num_drafted: int, num_accepted: int,
+                   top_logprobs: list = ()) -> None:
+        """Stream committed tokens (one step's worth) to the client; ``top_logprobs`` holds one
+        ``common_pb2.TopLogprobs`` per token when the request asked for them."""
         chunk = coordinator_pb2.TokenChunk(
-            token_ids=token_ids, logprobs=logprobs, num_draft_tokens=num_drafted, num_accepted_tokens=num_accepted
+            token_ids=token_ids, logprobs=logprobs, num_draft_tokens=num_drafted, num_accepted_tokens=num_accepted,
+            top_logprobs=top_logprobs,
         )
         self.outbox.put_nowait(coordinator_pb2.CoordinatorGenerateResponse(chunk=chunk))
 

@@ -191,7 +191,7 @@ class Scheduler:
                 self._retire(request, None, error=(out.code(), f"verifier prefill failed: {out.details()}"))
             elif out is None:
                 self._retire(request, None, error=(grpc.StatusCode.INTERNAL, "verifier returned no first token"))
-            elif self._commit(request, list(out.token_ids), list(out.logprobs), 0, 0):
+            elif self._commit(request, list(out.token_ids), list(out.logprobs), 0, 0, list(out.top_logprobs)):
                 alive.append(request.request_id)
         if self.cfg.mode == Mode.PSD:
             self.batches.assign(alive)
@@ -262,14 +262,16 @@ class Scheduler:
                 self._retire(request, None, error=(grpc.StatusCode.INTERNAL, "verifier returned no output"))
                 continue
             before = len(request.output_token_ids)
-            self._commit(request, list(out.token_ids), list(out.logprobs), k, out.num_accepted)
+            self._commit(request, list(out.token_ids), list(out.logprobs), k, out.num_accepted,
+                         list(out.top_logprobs))
             num_emitted += len(request.output_token_ids) - before
             accepted.append(out.num_accepted)
         return num_emitted, accepted
 
     def _commit(self, request: RequestState, token_ids: list[int], logprobs: list[float], k: int,
-                num_accepted: int) -> bool:
-        """Apply finish rules to a committed block, stream it; returns True if still running."""
+                num_accepted: int, top_logprobs: list = ()) -> bool:
+        """Apply finish rules to a committed block, stream it; returns True if still running.
+        ``top_logprobs``: one ``common_pb2.TopLogprobs`` per token when the request asked for them."""
         emitted, reason = apply_finish(token_ids, len(request.output_token_ids), request.finish_params,
                                        self.eos_token_ids)
         num_accepted_emitted = min(num_accepted, len(emitted))
@@ -278,7 +280,8 @@ class Scheduler:
         request.num_accepted_tokens += num_accepted_emitted
         request.num_drafts += int(k > 0)
         if emitted:
-            request.send_chunk(emitted, logprobs[: len(emitted)], k, num_accepted_emitted)
+            request.send_chunk(emitted, logprobs[: len(emitted)], k, num_accepted_emitted,
+                               top_logprobs[: len(emitted)])
         if reason is not None:
             self._retire(request, reason)
         return reason is None

@@ -88,6 +88,7 @@ def to_sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:
         max_tokens=max(int(message.max_tokens), 1),
         stop_token_ids=tuple(int(t) for t in message.stop_token_ids),
         ignore_eos=bool(message.ignore_eos),
+        logprobs=int(message.logprobs),
     )
 
 
@@ -98,6 +99,7 @@ def to_seq_output(step) -> engine_pb2.SeqOutput:
         token_ids=step.token_ids,
         num_accepted=step.num_accepted,
         logprobs=step.logprobs,
+        top_logprobs=[common_pb2.TopLogprobs(token_ids=ids, logprobs=values) for ids, values in step.top_logprobs],
     )
 
 

@@ -73,6 +73,7 @@ class RequestOutput:
             token_ids=list(chunk.token_ids)[:num_kept],
             text=self._take_text(is_finished=False),
             logprobs=list(chunk.logprobs)[:num_kept],
+            top_logprobs=list(chunk.top_logprobs)[:num_kept],
         )
 
     def on_finish(self) -> str:

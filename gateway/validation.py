@@ -26,6 +26,7 @@ UNSET = 0
 TOP_K_OFF = -1
 TOP_P_OFF = 1.0
 NUM_SAMPLES_SERVED = 1
+MAX_TOP_LOGPROBS = 20
 
 
 class InvalidRequestError(ValueError):
@@ -103,8 +104,8 @@ def _check_sampling(s: common_pb2.SamplingParams, vocab_size: int, max_num_stops
         raise InvalidRequestError("sampling.max_tokens", f"must be > 0, got {s.max_tokens}")
     if s.logprobs < 0:
         raise InvalidRequestError("sampling.logprobs", f"must be >= 0, got {s.logprobs}")
-    if s.logprobs > 0:
-        raise InvalidRequestError("sampling.logprobs", "top logprobs are not served; use 0 (sampled token's logprob)")
+    if s.logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidRequestError("sampling.logprobs", f"must be <= {MAX_TOP_LOGPROBS}, got {s.logprobs}")
     if len(s.stop) > max_num_stops:
         raise InvalidRequestError("sampling.stop", f"at most {max_num_stops} stop strings, got {len(s.stop)}")
     if any(not stop for stop in s.stop):

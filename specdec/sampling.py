@@ -41,6 +41,8 @@ class SamplingParams:
         max_tokens: maximum number of output tokens (>= 1).
         stop_token_ids: token ids that end the request (the stop token is emitted).
         ignore_eos: if True, the model's EOS does not end the request.
+        logprobs: how many most likely tokens (with their target log-probabilities) to return
+            per output token, >= 0; 0 = only the sampled token's log-probability.
 
     Raises:
         ValueError: naming the first invalid field.
@@ -54,6 +56,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int = 0
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -68,6 +71,8 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an int >= 0, got {self.seed}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens}")
+        if not isinstance(self.logprobs, int) or self.logprobs < 0:
+            raise ValueError(f"logprobs must be an int >= 0, got {self.logprobs}")
         stop_ids = tuple(self.stop_token_ids)
         if any(not isinstance(t, int) or t < 0 for t in stop_ids):
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids}")

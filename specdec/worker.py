@@ -38,13 +38,25 @@ class StepOutput:
     """Tokens committed for one request by ``add_request`` (1 token) or ``verify`` (a + 1).
 
     ``logprobs[i]`` is the target model's own log-probability of ``token_ids[i]``: log-softmax of
-    the raw logits (temperature 1, no top-k/top-p/min-p), natural log.
+    the raw logits (temperature 1, no top-k/top-p/min-p), natural log. ``top_logprobs[i]`` is
+    ``(token ids, logprobs)`` of the ``params.logprobs`` most likely tokens at that position
+    (same log-softmax, most likely first); empty when ``params.logprobs`` is 0.
     """
 
     request_id: str
     token_ids: list[int]
     num_accepted: int
     logprobs: list[float]
+    top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+
+
+def top_logprobs(logprobs: torch.Tensor, num_top: int) -> list[tuple[list[int], list[float]]]:
+    """Per row of ``logprobs`` [t, V], the ``num_top`` most likely (token ids, logprobs),
+    most likely first; ``[]`` when ``num_top`` is 0."""
+    if num_top <= 0:
+        return []
+    values, indices = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)
+    return list(zip(indices.tolist(), values.tolist()))
 
 
 class DraftCapacityError(CapacityError):
@@ -141,8 +153,9 @@ class TargetWorker(_Worker):
         probs = logits_to_probs(logits.unsqueeze(1), [params])[:, 0]
         token_id = int(sample_from_probs(probs, [params.is_greedy], [state.generator])[0])
         state.pending_token_id = token_id
-        logprob = float(logits[0].log_softmax(-1)[token_id])
-        return StepOutput(request_id, [token_id], 0, [logprob])
+        logprobs = logits[:1].log_softmax(-1)                           # [1, V]
+        return StepOutput(request_id, [token_id], 0, [float(logprobs[0, token_id])],
+                          top_logprobs(logprobs, params.logprobs))
 
     def verify(self, request_ids: list[str], draft_token_ids: list[list[int]],
                draft_probs: torch.Tensor | None) -> list[StepOutput]:
@@ -192,7 +205,8 @@ class TargetWorker(_Worker):
         state.pending_token_id = token_ids[-1]
         positions = torch.arange(num_accepted + 1)
         token_logprobs = logprobs[positions, torch.tensor(token_ids)].tolist()
-        return StepOutput(request_id, token_ids, num_accepted, token_logprobs)
+        return StepOutput(request_id, token_ids, num_accepted, token_logprobs,
+                          top_logprobs(logprobs[: num_accepted + 1], state.params.logprobs))
 
 
 class DraftWorker(_Worker):

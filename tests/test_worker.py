@@ -72,6 +72,27 @@ def test_verify_accepts_correct_drafts_and_rolls_back_wrong_ones(tiny_llama):
                                             abs=1e-5)
 
 
+def test_top_logprobs_of_first_accepted_recovered_and_bonus_tokens_match_plain_forward(tiny_llama):
+    worker = TargetWorker(_runner(tiny_llama))
+    reference = tiny_llama(dtype=torch.float64)
+    prompt, num_top = PROMPTS[2], 5
+    params = SamplingParams(temperature=0.0, max_tokens=64, logprobs=num_top)
+    expected = _reference_greedy(reference, prompt, 6)
+    outs = [worker.add_request("a", prompt, params)]
+    outs.append(worker.verify(["a"], [expected[1:3]], None)[0])                  # 2 accepted + bonus
+    wrong = (expected[4] + 1) % 128
+    outs.append(worker.verify(["a"], [[wrong, expected[5]]], None)[0])          # recovered token
+    token_ids = [t for out in outs for t in out.token_ids]
+    assert token_ids == expected[:5] and [o.num_accepted for o in outs] == [0, 2, 0]
+    logprobs = _reference_logits(reference, prompt + token_ids)[len(prompt) - 1: -1].log_softmax(-1)
+    pairs = [pair for out in outs for pair in zip(out.logprobs, out.top_logprobs)]
+    for pos, (logprob, (top_ids, top_values)) in enumerate(pairs):
+        assert logprob == pytest.approx(float(logprobs[pos, token_ids[pos]]), abs=1e-6)
+        values, ids = logprobs[pos].topk(num_top)
+        assert top_ids == ids.tolist() and top_values == pytest.approx(values.tolist(), abs=1e-6)
+    assert worker.add_request("b", prompt, GREEDY).top_logprobs == []  # not asked: not computed
+
+
 def test_verify_rejects_ragged_k_and_unknown_ids(tiny_llama):
     worker = TargetWorker(_runner(tiny_llama))
     worker.add_request("a", PROMPTS[0], GREEDY)
