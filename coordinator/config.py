@@ -47,6 +47,8 @@ class CoordinatorConfig:
         engine_wait_s: seconds to wait at start-up for both engines to report SERVING.
         grace_s: seconds in-flight requests get to finish on SIGTERM.
         metrics_port: port of the Prometheus ``/metrics`` HTTP endpoint; 0 = off.
+        step_log: path of a JSONL file getting one record per step (``coordinator.tracing.StepLog``,
+            read by ``minedraft timeline``); "" = off.
     """
 
     mode: Mode = Mode.PSD
@@ -63,6 +65,7 @@ class CoordinatorConfig:
     engine_wait_s: float = 600.0
     grace_s: float = 5.0
     metrics_port: int = 0
+    step_log: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _enum_field("mode", Mode, self.mode))

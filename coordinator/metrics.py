@@ -17,10 +17,13 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from coordinator.stats import StepStats
+from coordinator.stats import StepStats, StepTotals
 
 _PREFIX = "minedraft:"
 _STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# vLLM's request-latency buckets (seconds), stretched for CPU serving
+_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_BATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class CoordinatorMetrics:
@@ -43,10 +46,36 @@ class CoordinatorMetrics:
         self.num_running = Gauge(f"{_PREFIX}num_requests_running", "Running requests.", registry=r)
         self.num_waiting = Gauge(f"{_PREFIX}num_requests_waiting", "Waiting requests.", registry=r)
         self.is_drafter_available = Gauge(f"{_PREFIX}drafter_available", "1 if the drafter is in use.", registry=r)
+        self._init_request_metrics(r)
+        self._init_psd_metrics(r)
+
+    def _init_request_metrics(self, r: CollectorRegistry) -> None:
+        """Latency histograms (seconds from the coordinator's receipt; ``coordinator.tracing``)."""
+        self.ttft_seconds = Histogram(f"{_PREFIX}time_to_first_token_seconds", "Time to first token (s).",
+                                      buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.inter_token_seconds = Histogram(f"{_PREFIX}inter_token_latency_seconds",
+                                             "Time per output token after the first (s), per token.",
+                                             buckets=_STEP_BUCKETS_S, registry=r)
+        self.e2e_seconds = Histogram(f"{_PREFIX}e2e_request_latency_seconds", "End-to-end request latency (s).",
+                                     buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.num_requests_finished = Counter(f"{_PREFIX}request_success", "Finished requests by finish_reason.",
+                                             ["finish_reason"], registry=r)
+
+    def _init_psd_metrics(self, r: CollectorRegistry) -> None:
+        """PSD figures of the paper: parallel-step ratio (Table 2), data-plane share (Table 1), batches."""
+        self.parallel_step_ratio = Gauge(f"{_PREFIX}psd_parallel_step_ratio",
+                                         "Steps where both batches were busy / all steps.", registry=r)
+        self.data_plane_time_share = Gauge(f"{_PREFIX}data_plane_time_share",
+                                           "Data-plane ms / step wall ms, over all steps.", registry=r)
+        self.step_batch_size = Histogram(f"{_PREFIX}step_batch_size", "Requests per step by role.", ["role"],
+                                         buckets=_BATCH_BUCKETS, registry=r)
 
     def observe_step(self, stats: StepStats, num_accepted_per_request: Sequence[int]) -> None:
-        """Record one step; ``num_accepted_per_request`` has one entry per verified draft."""
+        """Record one step; ``num_accepted_per_request`` has one entry per verified draft: the
+        accepted tokens that were emitted (truncated at stop, EOS, max_tokens)."""
         self.num_steps.labels(mode=stats.mode, parallel=str(stats.is_parallel).lower()).inc()
+        self.step_batch_size.labels(role="verify").observe(stats.num_verify)
+        self.step_batch_size.labels(role="draft").observe(stats.num_draft)
         self.num_generation_tokens.inc(stats.num_emitted_tokens)
         for phase, ms in (("draft", stats.draft_ms), ("verify", stats.verify_ms),
                           ("data_plane", stats.data_plane_ms), ("idle", stats.idle_ms), ("wall", stats.wall_ms)):
@@ -59,6 +88,11 @@ class CoordinatorMetrics:
         for position in range(stats.k):
             self.num_accepted_per_pos.labels(position=str(position)).inc(
                 sum(1 for num_accepted in num_accepted_per_request if num_accepted > position))
+
+    def observe_totals(self, totals: StepTotals) -> None:
+        """Set the ratio gauges from the running totals."""
+        self.parallel_step_ratio.set(totals.parallel_step_ratio)
+        self.data_plane_time_share.set(totals.data_plane_ms / totals.wall_ms if totals.wall_ms else 0.0)
 
     def observe_state(self, batch_sizes: tuple[int, int], balance: int, num_running: int, num_waiting: int,
                       is_drafter_available: bool) -> None:

@@ -67,6 +67,7 @@ class RequestState:
     num_accepted_tokens: int = 0
     num_drafts: int = 0
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    trace: object | None = None  # a coordinator.tracing.RequestTrace (span + latency metrics)
 
     @property
     def committed(self) -> list[int]:
@@ -95,6 +96,8 @@ class RequestState:
             top_logprobs=top_logprobs,
         )
         self.outbox.put_nowait(coordinator_pb2.CoordinatorGenerateResponse(chunk=chunk))
+        if self.trace is not None:
+            self.trace.on_tokens(len(token_ids))
 
     def finish(self, reason: FinishReason) -> None:
         """Mark finished and send ``Finished`` (no-op if already finished)."""
@@ -104,6 +107,8 @@ class RequestState:
         self.drafts = None
         finished = coordinator_pb2.Finished(finish_reason=str(reason), usage=self.usage())
         self.outbox.put_nowait(coordinator_pb2.CoordinatorGenerateResponse(finished=finished))
+        if self.trace is not None:
+            self.trace.end(str(reason), finished.usage)
 
     def fail(self, code: int, message: str) -> None:
         """Mark finished and send ``GenerateError`` (no-op if already finished)."""
@@ -113,3 +118,5 @@ class RequestState:
         self.drafts = None
         error = common_pb2.GenerateError(code=code, message=message)
         self.outbox.put_nowait(coordinator_pb2.CoordinatorGenerateResponse(error=error))
+        if self.trace is not None:
+            self.trace.end("error", self.usage())

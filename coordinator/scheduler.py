@@ -35,7 +35,9 @@ from coordinator.fallback import DrafterLink
 from coordinator.finish import FinishReason, apply_finish
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.request import RequestState, RequestStatus
-from coordinator.stats import StepStats, StepTimes, StepTotals, emit_step_span
+from coordinator.stats import StepStats, StepTimes, StepTotals
+from coordinator.tracing import Phase, StepLog, StepTrace, finish_step, start_step
+from opentelemetry import trace
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ class Scheduler:
         self._num_draft_calls = 0
         self._wakeup = asyncio.Event()
         self._data_plane = _DATA_PLANE[cfg.data_plane]
+        self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
 
     # ------------------------------------------------------------------ public API
     def submit(self, request: RequestState) -> None:
@@ -166,6 +169,8 @@ class Scheduler:
         for request in new:
             request.status = RequestStatus.RUNNING
             self.running[request.request_id] = request
+            if request.trace is not None:
+                request.trace.on_admit()
         seqs = [engine_pb2.SeqInit(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, sampling=r.sampling)
                 for r in new]
         is_drafting = self.mode != Mode.AR
@@ -198,21 +203,37 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step
     async def step(self) -> StepStats:
-        """Run one step in the current mode and return its record (also added to ``totals``)."""
+        """Run one step in the current mode and return its record (also added to ``totals``).
+        The step runs inside its ``coordinator.step`` span (``coordinator.tracing``)."""
         self.step_id += 1
+        step_trace = start_step(self.step_id)
+        with trace.use_span(step_trace.span, end_on_exit=False):
+            try:
+                return await self._run_step(step_trace)
+            except BaseException as exc:
+                step_trace.span.record_exception(exc)
+                step_trace.span.end()
+                raise
+
+    async def _run_step(self, step_trace: StepTrace) -> StepStats:
         start, mode, times = time.perf_counter(), self.mode, StepTimes()
         verify_reqs, ahead_reqs = self._schedule(mode)
+        step_trace.add_requests(verify_reqs + ahead_reqs)
+        verify_batch = 1 - self.batches.skip_batch if mode == Mode.PSD else 0
         if mode != Mode.AR and any(r.drafts is None for r in verify_reqs):
-            await self._draft(verify_reqs, times)  # sd part: drafts needed before this verify
+            await self._draft(verify_reqs, times, verify_batch)  # sd part: drafts needed before this verify
         drafts = [r.drafts for r in verify_reqs] if all(r.drafts for r in verify_reqs) else None
         verify_ids = [r.request_id for r in verify_reqs]
+        verify_start_s = time.time()
         calls = [self.engines.verify(self.step_id, verify_ids, drafts, self._data_plane)]
         if ahead_reqs and self.mode != Mode.AR:
-            calls.append(self._draft(ahead_reqs, times))
+            calls.append(self._draft(ahead_reqs, times, 1 - verify_batch))
         results = await asyncio.gather(*calls, return_exceptions=True)
         if isinstance(results[0], BaseException):
             raise results[0]
-        response, _ = results[0]
+        response, verify_rpc_ms = results[0]
+        times.phases.append(Phase("verifier", verify_batch, verify_start_s, response.verify_ms, verify_rpc_ms,
+                                  len(verify_ids)))
         times.verify_ms, times.data_plane_ms = response.verify_ms, times.data_plane_ms + response.data_plane_ms
         num_emitted, accepted = self._postprocess(verify_reqs, drafts, response)
         is_parallel = mode == Mode.PSD and bool(ahead_reqs) and self.mode == Mode.PSD
@@ -220,7 +241,7 @@ class Scheduler:
             self.batches.flip()
         elif mode == Mode.PSD:
             self.batches.mark_started()
-        return self._record(mode, verify_reqs, drafts, times, accepted, num_emitted, start, is_parallel)
+        return self._record(mode, verify_reqs, drafts, times, accepted, num_emitted, start, is_parallel, step_trace)
 
     def _schedule(self, mode: Mode) -> tuple[list[RequestState], list[RequestState]]:
         """(requests to verify now, requests to draft ahead for the next step)."""
@@ -232,9 +253,10 @@ class Scheduler:
         ahead = [self.running[r] for r in self.batches.draft_batch()]
         return verify, ahead
 
-    async def _draft(self, requests: list[RequestState], times: StepTimes) -> None:
-        """Draft for ``requests``; on a drafter failure switch to ``ar`` (drafts dropped)."""
+    async def _draft(self, requests: list[RequestState], times: StepTimes, batch: int) -> None:
+        """Draft for ``requests`` (PSD batch ``batch``); on a drafter failure switch to ``ar``."""
         self._num_draft_calls += 1  # drafter step ids are unique per Draft call (dist plane key)
+        start_s = time.time()
         try:
             result = await self.engines.draft(self._num_draft_calls, requests, self.cfg.num_speculative_tokens,
                                               self._data_plane)
@@ -245,6 +267,7 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 request.drafts = drafts
         times.draft_ms += result.draft_ms
+        times.phases.append(Phase("drafter", batch, start_s, result.draft_ms, result.wall_ms, len(requests)))
         times.data_plane_ms += result.data_plane_ms
         times.num_drafted += len(requests)
 
@@ -261,11 +284,11 @@ class Scheduler:
             if out is None:
                 self._retire(request, None, error=(grpc.StatusCode.INTERNAL, "verifier returned no output"))
                 continue
-            before = len(request.output_token_ids)
+            before, accepted_before = len(request.output_token_ids), request.num_accepted_tokens
             self._commit(request, list(out.token_ids), list(out.logprobs), k, out.num_accepted,
                          list(out.top_logprobs))
             num_emitted += len(request.output_token_ids) - before
-            accepted.append(out.num_accepted)
+            accepted.append(request.num_accepted_tokens - accepted_before)  # emitted ones only
         return num_emitted, accepted
 
     def _commit(self, request: RequestState, token_ids: list[int], logprobs: list[float], k: int,
@@ -286,7 +309,8 @@ class Scheduler:
             self._retire(request, reason)
         return reason is None
 
-    def _record(self, mode, verify_reqs, drafts, times, accepted, num_emitted, start, is_parallel) -> StepStats:
+    def _record(self, mode, verify_reqs, drafts, times, accepted, num_emitted, start, is_parallel,
+                step_trace: StepTrace) -> StepStats:
         k = len(drafts[0].token_ids) if drafts else 0
         wall_ms = (time.perf_counter() - start) * 1e3
         stats = StepStats(
@@ -296,8 +320,11 @@ class Scheduler:
             idle_ms=max(wall_ms - times.verify_ms, 0.0), wall_ms=wall_ms, is_parallel=is_parallel,
         )
         self.totals.record(stats)
-        emit_step_span(stats)
+        finish_step(step_trace, stats)
+        if self.step_log is not None:
+            self.step_log.write(step_trace, stats, times.phases)
         self.metrics.observe_step(stats, accepted if k else [])
+        self.metrics.observe_totals(self.totals)
         self.metrics.observe_state(self.batches.batch_sizes(), self.batches.balance, len(self.running),
                                    len(self.waiting), self.is_drafter_available)
         return stats

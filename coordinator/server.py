@@ -25,6 +25,7 @@ from coordinator.finish import FinishParams
 from coordinator.metrics import serve_metrics
 from coordinator.request import RequestState
 from coordinator.scheduler import QueueFullError, Scheduler
+from coordinator.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         except ValueError as exc:
             yield _error(grpc.StatusCode.ALREADY_EXISTS, str(exc))
             return
+        # set before the next await, so the step loop sees it from admission on
+        state.trace = RequestTrace(request.request_id, len(request.prompt_token_ids), scheduler.metrics)
         is_done = False
         try:
             while not is_done:

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import collections
-import time
-from dataclasses import asdict, dataclass
-
-from opentelemetry import trace
+from dataclasses import dataclass, field
 
 MAX_RECENT_STEPS = 1024
-_tracer = trace.get_tracer("minedraft.coordinator")
 
 
 @dataclass(frozen=True)
@@ -52,12 +48,14 @@ class StepStats:
 
 @dataclass
 class StepTimes:
-    """Engine-reported times (ms) and the number of drafted requests, summed while a step runs."""
+    """Engine-reported times (ms) and the number of drafted requests, summed while a step runs;
+    ``phases``: one ``coordinator.tracing.Phase`` per engine call (for the step log / timeline)."""
 
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     data_plane_ms: float = 0.0
     num_drafted: int = 0
+    phases: list = field(default_factory=list)
 
 
 class StepTotals:
@@ -99,11 +97,3 @@ class StepTotals:
         """Share of steps where both batches were busy (0.0 before any step)."""
         return self.num_parallel_steps / self.num_steps if self.num_steps else 0.0
 
-
-def emit_step_span(stats: StepStats) -> None:
-    """Record a finished step as an OpenTelemetry span "coordinator.step" (DESIGN.md §6) whose
-    attributes are the ``StepStats`` fields; a no-op unless a tracer provider is configured."""
-    end_ns = time.time_ns()
-    span = _tracer.start_span("coordinator.step", start_time=end_ns - int(stats.wall_ms * 1e6),
-                              attributes={f"minedraft.{key}": value for key, value in asdict(stats).items()})
-    span.end(end_time=end_ns)
