@@ -21,6 +21,7 @@ from minedraft.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, gene
 from gateway.config import GatewayConfig
 from gateway.output import RequestOutput
 from gateway.tokenizer import PromptTokenizer
+from gateway.tracing import traced_generate
 from gateway.validation import InvalidRequestError, PreparedRequest, prepare_request
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,8 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
         request_id = prepared.request_id
         self._in_flight.add(request_id)
         try:
-            async with contextlib.aclosing(self._stream(prepared)) as stream:
+            traced = traced_generate(request_id, len(prepared.prompt_token_ids), self._stream(prepared))
+            async with contextlib.aclosing(traced) as stream:
                 async for response in stream:
                     yield response
         finally:
