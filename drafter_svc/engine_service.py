@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextvars
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -45,8 +46,10 @@ class EngineExecutor:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     async def run(self, fn: Callable[..., T], *args) -> T:
-        """Run ``fn(*args)`` in the engine thread and await its result (exceptions propagate)."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        """Run ``fn(*args)`` in the engine thread and await its result (exceptions propagate).
+        It runs in a copy of the caller's context, so its spans are children of the RPC's span."""
+        context = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, context.run, fn, *args)
 
     def shutdown(self) -> None:
         """Finish the queued calls, then stop the thread."""

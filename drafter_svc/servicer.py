@@ -16,6 +16,7 @@ import time
 
 import grpc
 import torch
+from opentelemetry import trace
 
 from drafter_svc.engine_service import (
     EngineExecutor,
@@ -33,6 +34,7 @@ from specdec.tensor_proto import tensor_to_proto
 WARMUP_REQUEST_ID = "__minedraft_warmup__"
 WARMUP_NUM_TOKENS = 4
 WARMUP_K = 2
+_tracer = trace.get_tracer("minedraft.drafter")
 
 
 class DrafterServicer(engine_pb2_grpc.DrafterServicer):
@@ -82,16 +84,20 @@ class DrafterServicer(engine_pb2_grpc.DrafterServicer):
             raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
         committed = [(seq.start_position, list(seq.token_ids)) for seq in request.seqs]
         start = time.perf_counter()
-        token_ids, probs = self.worker.draft(request_ids, committed, k)
+        with _tracer.start_as_current_span("drafter.draft", attributes={"minedraft.batch_size": len(request_ids),
+                                                                        "minedraft.k": k}):
+            token_ids, probs = self.worker.draft(request_ids, committed, k)
         response = engine_pb2.DraftResponse(step_id=request.step_id, draft_ms=elapsed_ms(start))
         ids = torch.tensor(token_ids, dtype=torch.int32).view(len(request_ids), k)
         response.draft_token_ids.CopyFrom(tensor_to_proto(ids))
         if probs is not None:
             start = time.perf_counter()
-            if plane == engine_pb2.DATA_PLANE_DIST:
-                self.probs_server.publish(request.step_id, request_ids, probs)
-            else:
-                response.draft_probs.CopyFrom(tensor_to_proto(probs))
+            with _tracer.start_as_current_span("drafter.data_plane_send",
+                                               attributes={"minedraft.bytes": probs.numel() * probs.element_size()}):
+                if plane == engine_pb2.DATA_PLANE_DIST:
+                    self.probs_server.publish(request.step_id, request_ids, probs)
+                else:
+                    response.draft_probs.CopyFrom(tensor_to_proto(probs))
             response.has_draft_probs = True
             response.data_plane_ms = elapsed_ms(start)
         return response

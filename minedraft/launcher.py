@@ -134,6 +134,41 @@ class Stack:
                     log(f"{service.spec.name} SERVING on {service.spec.address}")
             time.sleep(POLL_S)
 
+    def service(self, name: str) -> RunningService:
+        """The running service called ``name`` ("verifier", "drafter", "coordinator", "gateway").
+
+        Raises:
+            KeyError: no such service in this stack.
+        """
+        for service in self.services:
+            if service.spec.name == name:
+                return service
+        raise KeyError(f"name: no service {name!r} in this stack")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to service ``name``'s process group (fault injection; the soak script and
+        tests); waits for it to exit when ``sig`` is SIGKILL. Returns the pid signalled."""
+        service = self.service(name)
+        _signal_group(service.process, sig)
+        if sig == signal.SIGKILL:
+            service.process.wait()
+        return service.process.pid
+
+    def restart(self, name: str, log=print) -> None:
+        """Start service ``name`` again with its original command line (same port, same log file,
+        appended) after it exited, and wait until it is SERVING.
+
+        Raises:
+            StackError: it is still running, died again, or is not SERVING within ``startup_timeout_s``.
+        """
+        index = self.services.index(self.service(name))
+        old = self.services[index]
+        if old.process.poll() is None:
+            raise StackError(f"{name} is still running (pid {old.process.pid})")
+        self.services[index] = self._spawn(old.spec)
+        log(f"restarted {name} (pid {self.services[index].process.pid})")
+        self._wait_serving(log)
+
     def check_alive(self) -> None:
         """Raises StackError (with the log tail) when a service has exited."""
         for service in self.services:

@@ -23,11 +23,15 @@ import random
 from dataclasses import dataclass, field
 
 import torch
+from opentelemetry import trace
 
 from specdec.errors import CapacityError
 from specdec.rejection import rejection_sample
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_probs
+
+# Child spans of the engine services' RPC spans (no-op unless minedraft.telemetry is on).
+_tracer = trace.get_tracer("minedraft.specdec")
 
 _SEED_BITS = 63
 _DRAFT_SEED_MULTIPLIER = 0x9E3779B97F4A7C15  # golden-ratio constant: decorrelates draft seeds
@@ -184,15 +188,18 @@ class TargetWorker(_Worker):
         slots = [s.slot for s in states]
         kv_lens = [self.runner.seq_len(slot) for slot in slots]
         fed = [[s.pending_token_id, *row] for s, row in zip(states, draft_token_ids)]
-        logits = self.runner.forward(slots, fed)[:, : k + 1]            # [b, k + 1, V]
-        target_probs = logits_to_probs(logits, [s.params for s in states])
-        output, num_accepted = rejection_sample(
-            torch.tensor(draft_token_ids, dtype=torch.int64).view(len(states), k),
-            None if draft_probs is None else draft_probs.to(target_probs),
-            target_probs,
-            torch.tensor([s.params.is_greedy for s in states], dtype=torch.bool),
-            [s.generator for s in states],
-        )
+        with _tracer.start_as_current_span("target.forward", attributes={"minedraft.batch_size": len(states),
+                                                                          "minedraft.k": k}):
+            logits = self.runner.forward(slots, fed)[:, : k + 1]            # [b, k + 1, V]
+        with _tracer.start_as_current_span("target.rejection_sample"):
+            target_probs = logits_to_probs(logits, [s.params for s in states])
+            output, num_accepted = rejection_sample(
+                torch.tensor(draft_token_ids, dtype=torch.int64).view(len(states), k),
+                None if draft_probs is None else draft_probs.to(target_probs),
+                target_probs,
+                torch.tensor([s.params.is_greedy for s in states], dtype=torch.bool),
+                [s.generator for s in states],
+            )
         logprobs = logits.log_softmax(dim=-1)
         return [self._commit(rid, state, kv_len, output[row], int(num_accepted[row]), logprobs[row])
                 for row, (rid, state, kv_len) in enumerate(zip(request_ids, states, kv_lens))]
@@ -289,7 +296,9 @@ class DraftWorker(_Worker):
             self.runner.truncate(state.slot, keep)
             fed.append(state.committed[keep:])
             state.kv_token_ids = list(state.committed)
-        logits = self.runner.forward([s.slot for s in states], fed)
+        with _tracer.start_as_current_span("draft.catch_up_forward",
+                                           attributes={"minedraft.num_tokens": sum(map(len, fed))}):
+            logits = self.runner.forward([s.slot for s in states], fed)
         last = torch.tensor([len(row) - 1 for row in fed])
         return logits[torch.arange(len(states)), last]
 
@@ -301,13 +310,15 @@ class DraftWorker(_Worker):
         generators = [s.generator for s in states]
         tokens, probs = [], []
         for step in range(k):
-            q = logits_to_probs(last_logits.unsqueeze(1), params)[:, 0]   # [b, V_draft]
-            step_tokens = sample_from_probs(q, is_greedy, generators).tolist()
+            with _tracer.start_as_current_span("draft.sample"):
+                q = logits_to_probs(last_logits.unsqueeze(1), params)[:, 0]   # [b, V_draft]
+                step_tokens = sample_from_probs(q, is_greedy, generators).tolist()
             tokens.append(step_tokens)
             probs.append(q)
             if step < k - 1:
-                last_logits = self.runner.forward([s.slot for s in states],
-                                                  [[t] for t in step_tokens])[:, 0]
+                with _tracer.start_as_current_span("draft.forward"):
+                    last_logits = self.runner.forward([s.slot for s in states],
+                                                      [[t] for t in step_tokens])[:, 0]
                 for state, token in zip(states, step_tokens):
                     state.kv_token_ids.append(token)
         draft_ids = [list(row) for row in zip(*tokens)]

@@ -18,6 +18,7 @@ import random
 import time
 
 import torch
+from opentelemetry import trace
 
 from drafter_svc.engine_service import check_unique_ids, elapsed_ms, to_sampling_params, to_seq_output
 from minedraft.v1 import engine_pb2
@@ -26,6 +27,7 @@ from verifier_svc.tp import CMD_ADD, CMD_RELEASE, CMD_SHUTDOWN, CMD_VERIFY, PROB
 
 logger = logging.getLogger(__name__)
 _SEED_BITS = 63
+_tracer = trace.get_tracer("minedraft.verifier")  # spans: children of the Verify RPC's server span
 
 
 class VerifierEngine:
@@ -88,15 +90,18 @@ class VerifierEngine:
             raise KeyError(f"unknown request ids: {unknown}")
         draft_ids = self._draft_token_ids(request, len(ids))
         start = time.perf_counter()
-        probs = self._draft_probs(request, plane, ids, draft_ids.shape[1])
-        command = engine_pb2.VerifyRequest()
-        command.CopyFrom(request)
-        command.ClearField("draft_probs")
-        command.has_draft_probs = probs is not None
-        self._broadcast(CMD_VERIFY, command, probs)
+        with _tracer.start_as_current_span("verifier.data_plane_receive"):  # + broadcast to TP ranks
+            probs = self._draft_probs(request, plane, ids, draft_ids.shape[1])
+            command = engine_pb2.VerifyRequest()
+            command.CopyFrom(request)
+            command.ClearField("draft_probs")
+            command.has_draft_probs = probs is not None
+            self._broadcast(CMD_VERIFY, command, probs)
         data_plane_ms = elapsed_ms(start)
         start = time.perf_counter()
-        outputs = self._apply_verify(command, probs)
+        with _tracer.start_as_current_span("verifier.verify", attributes={"minedraft.batch_size": len(ids),
+                                                                          "minedraft.k": int(draft_ids.shape[1])}):
+            outputs = self._apply_verify(command, probs)
         return engine_pb2.VerifyResponse(step_id=request.step_id, outputs=outputs,
                                          verify_ms=elapsed_ms(start), data_plane_ms=data_plane_ms)
 
