@@ -37,6 +37,9 @@ class StackConfig:
         is_pinned: pin verifier to core 0 and drafter to core 1 (one torch thread each, always).
         host, *_port: loopback addresses of the services.
         runs_dir: logs go to ``<runs_dir>/<timestamp>/<service>.log``.
+        metrics_port: the coordinator's Prometheus ``/metrics`` port (0 = off).
+        step_log: JSONL file the coordinator appends one record per step to ("" = off;
+            ``minedraft timeline`` draws it).
         startup_timeout_s, stop_timeout_s: seconds to reach SERVING / to exit after SIGTERM.
     """
 
@@ -57,6 +60,8 @@ class StackConfig:
     verifier_port: int = 50054
     dist_port: int = 29600
     runs_dir: str = "runs"
+    metrics_port: int = 0
+    step_log: str = ""
     startup_timeout_s: float = 900.0
     stop_timeout_s: float = 20.0
 
@@ -70,6 +75,7 @@ class StackConfig:
             "max_model_len": (self.max_model_len >= 2, "must be >= 2"),
             "startup_timeout_s": (self.startup_timeout_s > 0, "must be > 0"),
             "stop_timeout_s": (self.stop_timeout_s > 0, "must be > 0"),
+            "metrics_port": (0 <= self.metrics_port <= 65535, "must be in [0, 65535] (0 = off)"),
         }
         for name in ("gateway_port", "coordinator_port", "drafter_port", "verifier_port", "dist_port"):
             checks[name] = (0 < getattr(self, name) <= 65535, "must be in [1, 65535]")
@@ -171,7 +177,9 @@ def coordinator_spec(cfg: StackConfig) -> ServiceSpec:
             "--k", str(cfg.num_speculative_tokens),
             "--max-num-seqs", str(cfg.max_num_seqs), "--data-plane", cfg.data_plane,
             "--drafter", f"{cfg.host}:{cfg.drafter_port}", "--verifier", f"{cfg.host}:{cfg.verifier_port}",
-            "--host", cfg.host, "--port", str(cfg.coordinator_port)]
+            "--host", cfg.host, "--port", str(cfg.coordinator_port), "--metrics-port", str(cfg.metrics_port)]
+    if cfg.step_log:
+        argv += ["--step-log", os.path.abspath(cfg.step_log)]
     return ServiceSpec("coordinator", argv, f"{cfg.host}:{cfg.coordinator_port}")
 
 
