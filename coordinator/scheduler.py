@@ -320,7 +320,7 @@ class Scheduler:
             idle_ms=max(wall_ms - times.verify_ms, 0.0), wall_ms=wall_ms, is_parallel=is_parallel,
         )
         self.totals.record(stats)
-        finish_step(step_trace, stats)
+        finish_step(step_trace, stats, times.phases)
         if self.step_log is not None:
             self.step_log.write(step_trace, stats, times.phases)
         self.metrics.observe_step(stats, accepted if k else [])

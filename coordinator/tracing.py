@@ -124,9 +124,12 @@ def start_step(step_id: int) -> StepTrace:
     return StepTrace(span, time.time())
 
 
-def finish_step(step: StepTrace, stats: StepStats) -> None:
-    """Set the ``StepStats`` fields (``minedraft.<field>``) and the request ids, end the span."""
+def finish_step(step: StepTrace, stats: StepStats, phases: list[Phase]) -> None:
+    """Set the ``StepStats`` fields (``minedraft.<field>``) and the request ids, add one ``phase``
+    event per engine call (at its start; attributes = the ``Phase`` fields), end the span."""
     step.span.set_attributes({f"{_ATTR}{key}": value for key, value in asdict(stats).items()})
+    for phase in phases:
+        step.span.add_event("phase", attributes=asdict(phase), timestamp=int(phase.start_s * 1e9))
     step.span.set_attribute(f"{_ATTR}request_ids", step.request_ids)
     step.span.end()
 

@@ -103,6 +103,12 @@ def _cmd_distill(args, rest: list[str]) -> int:
     return int(distill_main(rest) or 0)
 
 
+def _cmd_timeline(args) -> int:
+    from minedraft.timeline import main as timeline_main
+
+    return timeline_main(args.input, args.out, args.first_step, args.max_steps)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minedraft", description="MineDraft: batch-parallel speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -129,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out-dir", default="runs/demo", help="results.json and per-mode outputs go here")
     add_stack_args(demo)
     add_prompts_args(demo)
+    timeline = sub.add_parser("timeline", help="draw recorded steps (--step-log file or OTLP JSON) as a PNG")
+    timeline.add_argument("input", help="coordinator --step-log JSONL, or an OTLP JSON trace export")
+    timeline.add_argument("--out", default="timeline.png", help="PNG to write")
+    timeline.add_argument("--first-step", type=int, default=0, help="first step id drawn (0 = the first)")
+    timeline.add_argument("--max-steps", type=int, default=30, help="steps drawn")
     sub.add_parser("distill", help="train a draft model (specdec.distill; see `minedraft distill --help`)",
                    add_help=False)
     return parser
@@ -140,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_distill(None, argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        handler = {"up": _cmd_up, "generate": _cmd_generate, "prompts": _cmd_prompts, "demo": _cmd_demo}[args.command]
+        handler = {"up": _cmd_up, "generate": _cmd_generate, "prompts": _cmd_prompts, "demo": _cmd_demo,
+                   "timeline": _cmd_timeline}[args.command]
         return handler(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
