@@ -1,7 +1,8 @@
 """``python -m gateway``: the public gRPC gateway of MineDraft (torch-free).
 
 Serves ``minedraft.v1.MineDraft`` plus grpc.health.v1 (NOT_SERVING until the coordinator is
-SERVING) and server reflection; SIGTERM/SIGINT drain in-flight streams for ``--grace`` seconds.
+SERVING) and server reflection, and the OpenAI-compatible HTTP API on ``--http-port``
+(``gateway.http_api``); SIGTERM/SIGINT drain in-flight streams for ``--grace`` seconds.
 """
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 
 from minedraft import telemetry
 from minedraft.serving import ServerOptions, build_server, serve_until_signal
 from minedraft.v1 import generate_pb2_grpc
 
-from gateway.config import DEFAULT_COORDINATOR, DEFAULT_MODEL_NAME, DEFAULT_PORT, GatewayConfig
+from gateway.config import DEFAULT_COORDINATOR, DEFAULT_HTTP_PORT, DEFAULT_MODEL_NAME, DEFAULT_PORT, GatewayConfig
+from gateway.http_server import HttpServer
 from gateway.server import SERVICE_NAME, GatewayServicer, mirror_coordinator_health
 from gateway.tokenizer import PromptTokenizer
 
@@ -34,12 +37,17 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--max-default-tokens", type=int, default=1024,
                    help="output budget when max_tokens is unset (capped by the free context)")
     p.add_argument("--grace", type=float, default=5.0, help="drain seconds on SIGTERM")
+    p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                   help="OpenAI-compatible HTTP API port on --host (0 = off)")
+    p.add_argument("--api-key", default=os.environ.get("MINEDRAFT_API_KEY", ""),
+                   help="HTTP /v1/* needs 'Authorization: Bearer KEY' (default: $MINEDRAFT_API_KEY; empty = open)")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return GatewayConfig(tokenizer=a.tokenizer, coordinator=a.coordinator, model_name=a.model_name,
                          draft_name=a.draft_name, max_model_len=a.max_model_len,
-                         max_default_tokens=a.max_default_tokens, host=a.host, port=a.port, grace_s=a.grace)
+                         max_default_tokens=a.max_default_tokens, host=a.host, port=a.port, grace_s=a.grace,
+                         http_port=a.http_port, api_key=a.api_key)
 
 
 async def serve(cfg: GatewayConfig) -> None:
@@ -50,10 +58,15 @@ async def serve(cfg: GatewayConfig) -> None:
     generate_pb2_grpc.add_MineDraftServicer_to_server(servicer, server)
     await server.start()
     logger.info("gateway listening on %s:%d (coordinator %s, model %s)", cfg.host, port, cfg.coordinator, cfg.model_name)
+    http = HttpServer(cfg, servicer, health) if cfg.http_port else None
+    if http is not None:
+        await http.start()
     mirror = asyncio.create_task(mirror_coordinator_health(cfg.coordinator, health))
     try:
         await serve_until_signal(server, health, grace_s=cfg.grace_s)
     finally:
+        if http is not None:
+            await http.stop()
         mirror.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await mirror

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
 DEFAULT_COORDINATOR = "127.0.0.1:50052"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 MAX_PORT = 65535
@@ -24,6 +25,8 @@ class GatewayConfig:
         max_num_stop_strings: most stop strings one request may carry.
         host, port: where the public gRPC server listens.
         grace_s: seconds in-flight streams get to finish on SIGTERM.
+        http_port: port of the OpenAI-compatible HTTP API on ``host`` (0 = no HTTP server).
+        api_key: when set, HTTP ``/v1/*`` requests need ``Authorization: Bearer <api_key>``.
     """
 
     tokenizer: str
@@ -36,6 +39,8 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     grace_s: float = 5.0
+    http_port: int = DEFAULT_HTTP_PORT
+    api_key: str = ""
 
     def __post_init__(self) -> None:
         if not self.tokenizer:
@@ -52,5 +57,9 @@ class GatewayConfig:
             raise ValueError(f"max_num_stop_strings: must be > 0, got {self.max_num_stop_strings}")
         if not 0 <= self.port <= MAX_PORT:
             raise ValueError(f"port: must be in [0, {MAX_PORT}], got {self.port}")
+        if not 0 <= self.http_port <= MAX_PORT:
+            raise ValueError(f"http_port: must be in [0, {MAX_PORT}] (0 = off), got {self.http_port}")
+        if self.http_port and self.http_port == self.port:
+            raise ValueError(f"http_port: must differ from port {self.port}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s: must be >= 0, got {self.grace_s}")

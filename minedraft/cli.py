@@ -28,6 +28,7 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pin", action="store_true", help="do not pin verifier/drafter to cores 0/1")
     p.add_argument("--host", default="127.0.0.1", help="address every service binds")
     p.add_argument("--port", type=int, default=50051, help="gateway port (coordinator, drafter, verifier: +1, +2, +3)")
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API port (0 = off)")
     p.add_argument("--runs-dir", default="runs", help="logs go to RUNS_DIR/<timestamp>/<service>.log")
     p.add_argument("--metrics-port", type=int, default=0, help="coordinator Prometheus /metrics port (0 = off)")
     p.add_argument("--step-log", default="", help="coordinator writes one JSON line per step here (minedraft timeline)")
@@ -39,7 +40,7 @@ def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
     return StackConfig(mode=mode, num_speculative_tokens=args.k, max_num_seqs=args.max_num_seqs,
                        tensor_parallel_size=args.tp, data_plane=args.data_plane, target=args.target,
                        draft=args.draft, max_model_len=args.max_model_len, dtype=args.dtype,
-                       is_pinned=not args.no_pin, host=args.host, gateway_port=args.port,
+                       is_pinned=not args.no_pin, host=args.host, gateway_port=args.port, http_port=args.http_port,
                        coordinator_port=args.port + 1, drafter_port=args.port + 2, verifier_port=args.port + 3,
                        runs_dir=args.runs_dir, startup_timeout_s=args.startup_timeout,
                        metrics_port=args.metrics_port, step_log=args.step_log)

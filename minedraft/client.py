@@ -9,7 +9,8 @@ Sync::
 
 Async: ``AsyncMineDraftClient`` has the same methods as coroutines / async iterators.
 Sampling keywords are the fields of ``minedraft.v1.SamplingParams`` (temperature, top_k, top_p,
-min_p, seed, max_tokens, stop, stop_token_ids, ignore_eos, include_stop_str_in_output).
+min_p, seed, max_tokens, stop, stop_token_ids, ignore_eos, include_stop_str_in_output, logprobs:
+the number of top logprobs per token, 0-20). ``abort(request_id)`` stops a running request.
 Invalid requests raise ``grpc.RpcError`` with INVALID_ARGUMENT; an error reported inside the
 stream raises ``GenerationError``.
 """
@@ -43,6 +44,9 @@ class GenerationResult:
         ttft_s: seconds from sending the request to the first chunk with tokens (TTFT).
         latency_s: seconds from sending the request to the ``complete`` message.
         num_chunks: chunks that carried tokens (one per engine step).
+        logprobs: the target model's logprob of each output token (natural log).
+        top_logprobs: per output token, the ``sampling.logprobs`` most likely tokens and their
+            target logprobs (``common_pb2.TopLogprobs``); empty unless ``logprobs=N`` was asked.
     """
 
     request_id: str = ""
@@ -53,6 +57,8 @@ class GenerationResult:
     ttft_s: float = float("nan")
     latency_s: float = float("nan")
     num_chunks: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[common_pb2.TopLogprobs] = field(default_factory=list)
 
 
 def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str]] | None = None,
@@ -93,6 +99,8 @@ class _Collector:
             if self.result.num_chunks == 0:
                 self.result.ttft_s = time.perf_counter() - self.start
             self.result.num_chunks += 1
+            self.result.logprobs += list(response.chunk.logprobs)
+            self.result.top_logprobs += list(response.chunk.top_logprobs)
         elif kind == "complete":
             done = response.complete
             self.result.text = done.text

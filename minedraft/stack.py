@@ -36,6 +36,7 @@ class StackConfig:
         dtype: engine parameter / KV dtype.
         is_pinned: pin verifier to core 0 and drafter to core 1 (one torch thread each, always).
         host, *_port: loopback addresses of the services.
+        http_port: the gateway's OpenAI-compatible HTTP port (0 = no HTTP API).
         runs_dir: logs go to ``<runs_dir>/<timestamp>/<service>.log``.
         metrics_port: the coordinator's Prometheus ``/metrics`` port (0 = off).
         step_log: JSONL file the coordinator appends one record per step to ("" = off;
@@ -55,6 +56,7 @@ class StackConfig:
     is_pinned: bool = True
     host: str = "127.0.0.1"
     gateway_port: int = 50051
+    http_port: int = 0
     coordinator_port: int = 50052
     drafter_port: int = 50053
     verifier_port: int = 50054
@@ -76,6 +78,7 @@ class StackConfig:
             "startup_timeout_s": (self.startup_timeout_s > 0, "must be > 0"),
             "stop_timeout_s": (self.stop_timeout_s > 0, "must be > 0"),
             "metrics_port": (0 <= self.metrics_port <= 65535, "must be in [0, 65535] (0 = off)"),
+            "http_port": (0 <= self.http_port <= 65535, "must be in [0, 65535] (0 = off)"),
         }
         for name in ("gateway_port", "coordinator_port", "drafter_port", "verifier_port", "dist_port"):
             checks[name] = (0 < getattr(self, name) <= 65535, "must be in [1, 65535]")
@@ -187,7 +190,8 @@ def gateway_spec(cfg: StackConfig, model_dir: str, draft_name: str) -> ServiceSp
     argv = [sys.executable, "-m", "gateway", "--tokenizer", model_dir,
             "--coordinator", f"{cfg.host}:{cfg.coordinator_port}", "--host", cfg.host,
             "--port", str(cfg.gateway_port), "--model-name", os.path.basename(os.path.normpath(cfg.target)),
-            "--draft-name", draft_name, "--max-model-len", str(cfg.max_model_len)]
+            "--draft-name", draft_name, "--max-model-len", str(cfg.max_model_len),
+            "--http-port", str(cfg.http_port)]
     return ServiceSpec("gateway", argv, f"{cfg.host}:{cfg.gateway_port}")
 
 

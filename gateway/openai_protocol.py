@@ -1,0 +1,170 @@
+"""OpenAI-compatible request bodies and their translation to ``minedraft.v1.GenerateRequest``.
+
+Only the translation lives here; validation of values (ranges, model name, context length)
+stays in ``gateway.validation`` and is shared with the gRPC API. Differences from the OpenAI
+API, following vLLM's OpenAI server (https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html):
+
+- ``temperature`` unset = 1.0 (sampling), as in OpenAI and vLLM; 0 = greedy.
+- ``max_tokens`` / ``max_completion_tokens`` unset = the free context, capped by the gateway's
+  ``--max-default-tokens``.
+- ``top_k`` and ``min_p`` are extensions (vLLM names); ``n`` must be 1.
+- ``prompt`` is a string, one token-id list, or a one-element list of either; batched prompts
+  (several in one request) are refused with 400.
+- Unknown fields are refused (400 naming the field) rather than silently ignored, so a sampling
+  option this server does not implement never changes results unnoticed.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from minedraft.v1 import common_pb2, generate_pb2
+
+from gateway.validation import InvalidRequestError
+
+DEFAULT_TEMPERATURE = 1.0
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Strict):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # e.g. "name"; tool fields are not served
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class CompletionRequest(_SamplingFields):
+    """Body of ``POST /v1/completions``; ``logprobs`` is the number of top logprobs (0-20)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def _sampling(body: _SamplingFields, max_tokens: int | None, num_top: int) -> common_pb2.SamplingParams:
+    if body.presence_penalty or body.frequency_penalty:
+        field = "presence_penalty" if body.presence_penalty else "frequency_penalty"
+        raise InvalidRequestError(field, "penalties are not served; use 0")
+    if max_tokens is not None and max_tokens < 1:
+        raise InvalidRequestError("max_tokens", f"must be >= 1, got {max_tokens}")
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    sampling = common_pb2.SamplingParams(
+        temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        top_p=body.top_p or 0.0, top_k=body.top_k or 0, min_p=body.min_p or 0.0,
+        max_tokens=max_tokens or 0, stop=stops, stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
+        logprobs=num_top)
+    if body.top_p is not None and body.top_p <= 0:
+        raise InvalidRequestError("top_p", f"must be in (0, 1], got {body.top_p}")
+    if body.seed is not None:
+        sampling.seed = body.seed
+    return sampling
+
+
+def _one_prompt(prompt) -> str | list[int]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return prompt
+    if len(prompt) != 1:
+        raise InvalidRequestError("prompt", f"one prompt per request is served, got {len(prompt)}; "
+                                  "send one request per prompt")
+    return prompt[0]
+
+
+def completion_to_generate(body: CompletionRequest, request_id: str) -> generate_pb2.GenerateRequest:
+    """The public GenerateRequest of a completions body.
+
+    Raises:
+        InvalidRequestError: a field this server does not serve (batched prompt, echo, suffix,
+            penalties); value ranges are checked later by ``gateway.validation``.
+    """
+    if body.echo:
+        raise InvalidRequestError("echo", "echo is not served")
+    if body.suffix:
+        raise InvalidRequestError("suffix", "suffix is not served")
+    request = generate_pb2.GenerateRequest(
+        request_id=request_id, model=body.model or "", n=body.n,
+        sampling=_sampling(body, body.max_tokens, body.logprobs or 0))
+    prompt = _one_prompt(body.prompt)
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.prompt_token_ids.CopyFrom(common_pb2.TokenIds(ids=prompt))
+    return request
+
+
+def chat_to_generate(body: ChatCompletionRequest, request_id: str) -> generate_pb2.GenerateRequest:
+    """The public GenerateRequest of a chat completions body (messages rendered by the gateway's
+    chat template). ``max_completion_tokens`` wins over the deprecated ``max_tokens``.
+
+    Raises:
+        InvalidRequestError: ``top_logprobs`` without ``logprobs``, or an unserved field.
+    """
+    if body.top_logprobs and not body.logprobs:
+        raise InvalidRequestError("top_logprobs", "requires logprobs: true")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    messages = generate_pb2.ChatMessages(
+        messages=[generate_pb2.ChatMessage(role=m.role, content=m.text()) for m in body.messages])
+    return generate_pb2.GenerateRequest(
+        request_id=request_id, model=body.model or "", n=body.n, messages=messages,
+        sampling=_sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else 0))
+
+
+def openai_param(field: str, body: _SamplingFields) -> str:
+    """The OpenAI parameter name for a ``gateway.validation`` field name
+    (``sampling.top_p`` -> ``top_p``; ``sampling.logprobs`` -> ``top_logprobs`` for chat)."""
+    name = field.removeprefix("sampling.")
+    if name == "prompt_token_ids":
+        return "prompt"
+    if name == "logprobs" and isinstance(body, ChatCompletionRequest):
+        return "top_logprobs"
+    if name == "max_tokens" and isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    return name
