@@ -37,7 +37,9 @@ class CoordinatorMetrics:
         self.num_accepted_tokens = Counter(f"{_PREFIX}spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
         self.num_accepted_per_pos = Counter(f"{_PREFIX}spec_decode_num_accepted_tokens_per_pos",
                                             "Accepted draft tokens by position (0-based).", ["position"], registry=r)
-        self.num_generation_tokens = Counter(f"{_PREFIX}generation_tokens", "Output tokens streamed by steps.", registry=r)
+        self.num_generation_tokens = Counter(f"{_PREFIX}generation_tokens",
+                                             "Output tokens streamed (prefill's first token and steps).", registry=r)
+        self.num_prompt_tokens = Counter(f"{_PREFIX}prompt_tokens", "Prompt tokens of received requests.", registry=r)
         self.num_steps = Counter(f"{_PREFIX}coordinator_steps", "Coordinator steps.", ["mode", "parallel"], registry=r)
         self.step_seconds = Histogram(f"{_PREFIX}coordinator_step_seconds", "Time per step by phase (s).", ["phase"],
                                       buckets=_STEP_BUCKETS_S, registry=r)
@@ -76,7 +78,6 @@ class CoordinatorMetrics:
         self.num_steps.labels(mode=stats.mode, parallel=str(stats.is_parallel).lower()).inc()
         self.step_batch_size.labels(role="verify").observe(stats.num_verify)
         self.step_batch_size.labels(role="draft").observe(stats.num_draft)
-        self.num_generation_tokens.inc(stats.num_emitted_tokens)
         for phase, ms in (("draft", stats.draft_ms), ("verify", stats.verify_ms),
                           ("data_plane", stats.data_plane_ms), ("idle", stats.idle_ms), ("wall", stats.wall_ms)):
             self.step_seconds.labels(phase=phase).observe(ms / 1e3)

@@ -110,7 +110,11 @@ class DrafterServicer(engine_pb2_grpc.DrafterServicer):
         return len(known)
 
     def warm_up(self) -> None:
-        """Add, draft (sampled, so probs are built) and release a dummy request."""
+        """Add, draft (sampled, so probs are built) and release a dummy request (span ``drafter.warm_up``)."""
+        with _tracer.start_as_current_span("drafter.warm_up"):
+            self._warm_up()
+
+    def _warm_up(self) -> None:
         prompt = list(range(1, 1 + WARMUP_NUM_TOKENS))
         self._add_all([(WARMUP_REQUEST_ID, prompt, SamplingParams(temperature=1.0, seed=0))])
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import grpc
 import torch
+from opentelemetry import trace
 
 from drafter_svc.engine_service import EngineExecutor, abort_with, engine_info
 from minedraft.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -19,6 +20,7 @@ from specdec.tensor_proto import tensor_to_proto
 WARMUP_REQUEST_ID = "__minedraft_warmup__"
 WARMUP_NUM_TOKENS = 4
 WARMUP_K = 2
+_tracer = trace.get_tracer("minedraft.verifier")
 
 
 class VerifierServicer(engine_pb2_grpc.VerifierServicer):
@@ -42,7 +44,12 @@ class VerifierServicer(engine_pb2_grpc.VerifierServicer):
         self.engine = engine
 
     def warm_up(self) -> None:
-        """Add a dummy request, verify k sampled drafts with uniform probs, release it."""
+        """Add a dummy request, verify k sampled drafts with uniform probs, release it (span
+        ``verifier.warm_up``)."""
+        with _tracer.start_as_current_span("verifier.warm_up"):
+            self._warm_up()
+
+    def _warm_up(self) -> None:
         vocab = self.engine.vocab_size
         sampling = common_pb2.SamplingParams(temperature=1.0, seed=0, max_tokens=WARMUP_K + 2)
         prompt = list(range(1, 1 + WARMUP_NUM_TOKENS))
