@@ -30,6 +30,7 @@ from minedraft.v1 import engine_pb2
 
 from coordinator.batch_manager import BatchManager
 from coordinator.config import CoordinatorConfig, DataPlaneKind, Mode
+from coordinator.context_window import ContextLimits
 from coordinator.engines import EngineClients
 from coordinator.fallback import DrafterLink
 from coordinator.finish import FinishReason, apply_finish
@@ -77,6 +78,7 @@ class Scheduler:
         self._wakeup = asyncio.Event()
         self._data_plane = _DATA_PLANE[cfg.data_plane]
         self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
+        self.limits = ContextLimits()  # the engines' max_model_len; set by coordinator.server.start
 
     # ------------------------------------------------------------------ public API
     def submit(self, request: RequestState) -> None:
@@ -146,7 +148,7 @@ class Scheduler:
             self.drafter_link.note_released(ids)
             await self._release(ids)
         if self.drafter_link.is_due:
-            await self.drafter_link.probe(self.engines, list(self.running.values()))
+            await self.drafter_link.probe(self.engines, self._speculative(list(self.running.values())))
 
     async def _release(self, ids: list[str]) -> None:
         stubs = [self.engines.verifier] + ([self.engines.drafter] if self.is_drafter_available else [])
@@ -173,15 +175,17 @@ class Scheduler:
                 request.trace.on_admit()
         seqs = [engine_pb2.SeqInit(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, sampling=r.sampling)
                 for r in new]
-        is_drafting = self.mode != Mode.AR
+        drafted = [r for r in new if self.limits.fits_drafter(len(r.prompt_token_ids))]
+        is_drafting = self.mode != Mode.AR and bool(drafted)
         calls = [self.engines.prefill_verifier(seqs)]
-        if is_drafting:
-            calls.append(self.engines.add_requests(self.engines.drafter, seqs))
+        if is_drafting:  # a prompt longer than the draft's window runs without speculation
+            draft_seqs = [seq for seq, r in zip(seqs, new) if r in drafted]
+            calls.append(self.engines.add_requests(self.engines.drafter, draft_seqs))
         results = await asyncio.gather(*calls, return_exceptions=True)
         if is_drafting and isinstance(results[1], Exception):
             self._lose_drafter(results[1])
         elif is_drafting:
-            for request in new:
+            for request in drafted:
                 request.num_drafter_tokens = len(request.prompt_token_ids)
         self._start_requests(new, results[0])
 
@@ -220,28 +224,44 @@ class Scheduler:
         verify_reqs, ahead_reqs = self._schedule(mode)
         step_trace.add_requests(verify_reqs + ahead_reqs)
         verify_batch = 1 - self.batches.skip_batch if mode == Mode.PSD else 0
-        if mode != Mode.AR and any(r.drafts is None for r in verify_reqs):
-            await self._draft(verify_reqs, times, verify_batch)  # sd part: drafts needed before this verify
-        drafts = [r.drafts for r in verify_reqs] if all(r.drafts for r in verify_reqs) else None
-        verify_ids = [r.request_id for r in verify_reqs]
+        spec_reqs = self._speculative(verify_reqs) if mode != Mode.AR else []
+        if any(r.drafts is None for r in spec_reqs):
+            await self._draft(spec_reqs, times, verify_batch)  # sd part: drafts needed before this verify
+        drafts = [r.drafts for r in spec_reqs] if spec_reqs and all(r.drafts for r in spec_reqs) else None
+        if drafts is None:
+            spec_reqs = []  # the drafter failed: everything is verified with k = 0
+        plain_reqs = [r for r in verify_reqs if r not in spec_reqs]
+        ahead_spec = self._speculative(ahead_reqs)
+        groups = [(reqs, d) for reqs, d in ((spec_reqs, drafts), (plain_reqs, None)) if reqs]
         verify_start_s = time.time()
-        calls = [self.engines.verify(self.step_id, verify_ids, drafts, self._data_plane)]
-        if ahead_reqs and self.mode != Mode.AR:
-            calls.append(self._draft(ahead_reqs, times, 1 - verify_batch))
+        calls = [self.engines.verify(self.step_id, [r.request_id for r in reqs], d, self._data_plane)
+                 for reqs, d in groups]
+        if ahead_spec and self.mode != Mode.AR:
+            calls.append(self._draft(ahead_spec, times, 1 - verify_batch))
         results = await asyncio.gather(*calls, return_exceptions=True)
-        if isinstance(results[0], BaseException):
-            raise results[0]
-        response, verify_rpc_ms = results[0]
-        times.phases.append(Phase("verifier", verify_batch, verify_start_s, response.verify_ms, verify_rpc_ms,
-                                  len(verify_ids)))
-        times.verify_ms, times.data_plane_ms = response.verify_ms, times.data_plane_ms + response.data_plane_ms
-        num_emitted, accepted = self._postprocess(verify_reqs, drafts, response)
-        is_parallel = mode == Mode.PSD and bool(ahead_reqs) and self.mode == Mode.PSD
+        for result in results[: len(groups)]:
+            if isinstance(result, BaseException):
+                raise result
+        num_emitted, accepted = 0, []
+        for (reqs, d), (response, verify_rpc_ms) in zip(groups, results[: len(groups)]):
+            times.phases.append(Phase("verifier", verify_batch, verify_start_s, response.verify_ms, verify_rpc_ms,
+                                      len(reqs)))
+            times.verify_ms += response.verify_ms
+            times.data_plane_ms += response.data_plane_ms
+            group_emitted, group_accepted = self._postprocess(reqs, d, response)
+            num_emitted += group_emitted
+            accepted += group_accepted if d else []
+        is_parallel = mode == Mode.PSD and bool(ahead_spec) and self.mode == Mode.PSD
         if mode == Mode.PSD and ahead_reqs:
             self.batches.flip()
         elif mode == Mode.PSD:
             self.batches.mark_started()
         return self._record(mode, verify_reqs, drafts, times, accepted, num_emitted, start, is_parallel, step_trace)
+
+    def _speculative(self, requests: list[RequestState]) -> list[RequestState]:
+        """The requests with room for k draft tokens in both engines' KV (``coordinator.context_window``)."""
+        k = self.cfg.num_speculative_tokens
+        return [r for r in requests if self.limits.can_speculate(len(r.committed), k)]
 
     def _schedule(self, mode: Mode) -> tuple[list[RequestState], list[RequestState]]:
         """(requests to verify now, requests to draft ahead for the next step)."""

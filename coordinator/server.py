@@ -20,6 +20,7 @@ from minedraft.serving import ServerOptions, build_server, mirror_health, serve_
 from minedraft.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, engine_pb2
 
 from coordinator.config import CoordinatorConfig
+from coordinator.context_window import ContextLimits
 from coordinator.engines import EngineClients
 from coordinator.finish import FinishParams
 from coordinator.metrics import serve_metrics
@@ -126,8 +127,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             await self.scheduler.wait_idle()
 
 
-async def connect_engines(cfg: CoordinatorConfig) -> tuple[EngineClients, tuple[int, ...], int]:
-    """Wait for the engines to serve; return (clients, EOS token ids, free KV slots).
+async def connect_engines(cfg: CoordinatorConfig) -> tuple[EngineClients, tuple[int, ...], int, ContextLimits]:
+    """Wait for the engines to serve; return (clients, EOS token ids, free KV slots, their context windows).
 
     Raises:
         TimeoutError: an engine is not SERVING within ``engine_wait_s``.
@@ -144,7 +145,8 @@ async def connect_engines(cfg: CoordinatorConfig) -> tuple[EngineClients, tuple[
     for address, info in zip(addresses, infos):
         logger.info("engine %s: model %s, %d free slots, max_model_len %d", address, info.model,
                     info.num_free_slots, info.max_model_len)
-    return engines, tuple(infos[0].eos_token_ids), num_slots
+    limits = ContextLimits(infos[0].max_model_len, infos[1].max_model_len if cfg.uses_drafter else 0)
+    return engines, tuple(infos[0].eos_token_ids), num_slots, limits
 
 
 async def _release_stale_requests(engines: EngineClients, stubs: list, addresses: list[str],
@@ -164,8 +166,9 @@ async def _release_stale_requests(engines: EngineClients, stubs: list, addresses
 
 async def start(cfg: CoordinatorConfig, servicer: CoordinatorServicer) -> tuple[Scheduler, asyncio.Task]:
     """Connect to the engines and start the step loop for ``servicer``."""
-    engines, eos_token_ids, num_slots = await connect_engines(cfg)
+    engines, eos_token_ids, num_slots, limits = await connect_engines(cfg)
     scheduler = Scheduler(cfg, engines, eos_token_ids, num_slots)
+    scheduler.limits = limits
     task = asyncio.create_task(scheduler.run(), name="coordinator-step-loop")
     servicer.scheduler = scheduler
     return scheduler, task

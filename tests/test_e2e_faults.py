@@ -3,7 +3,8 @@
 One ``psd`` stack of real processes whose draft model *is* the target (a tiny random Llama), so
 at temperature 0 every draft token is accepted: each step commits a block of k + 1 tokens and
 finishing rules are exercised inside accepted blocks. The failure tests run last in the module
-(they kill processes): the drafter killed mid-run (``ar`` fallback, identical greedy output, then
+(they kill processes): the coordinator killed mid-stream (the gateway ends the stream with
+UNAVAILABLE; a restarted coordinator frees the orphaned KV slots), the drafter killed mid-run (``ar`` fallback, identical greedy output, then
 a restart on the same port resumes speculation), and the verifier killed (in-flight and new
 requests fail fast with UNAVAILABLE; coordinator and gateway readiness go NOT_SERVING).
 """
@@ -115,6 +116,25 @@ def test_seeded_requests_repeat_whatever_shares_the_batch(stack):
     assert unseeded[0] != unseeded[1] and alone not in unseeded
 
 
+def test_a_request_filling_the_context_window_finishes_without_pushing_others_to_ar(stack):
+    """Near the end of max_model_len there is no room for k draft tokens: that request runs on
+    without speculation, the others keep speculating, and the output equals the greedy target's."""
+    prompt = PROMPT_IDS[2]
+    long_tokens = MAX_MODEL_LEN - len(prompt)
+    drafted_before = _status(stack.cfg).num_draft_tokens
+    with ThreadPoolExecutor(2) as pool:
+        full = pool.submit(_generate, stack, prompt, max_tokens=long_tokens, temperature=0, ignore_eos=True)
+        time.sleep(0.5)
+        other = pool.submit(_generate, stack, PROMPT_IDS[1], max_tokens=24, temperature=0, ignore_eos=True)
+        full, other = full.result(timeout=240), other.result(timeout=240)
+    assert (full.finish_reason, full.usage.completion_tokens) == ("length", long_tokens)
+    assert other.usage.num_drafts > 0
+    status = _status(stack.cfg)
+    assert status.is_drafter_available and status.num_draft_tokens > drafted_before
+    base = _generate(stack, prompt, max_tokens=40, temperature=0, ignore_eos=True)
+    assert full.token_ids[:40] == base.token_ids
+
+
 def test_client_deadline_gives_deadline_exceeded_and_frees_the_slots(stack):
     with _client(stack, timeout_s=0.5) as client:
         with pytest.raises(grpc.RpcError) as info:
@@ -124,6 +144,28 @@ def test_client_deadline_gives_deadline_exceeded_and_frees_the_slots(stack):
     for info in _wait_slots_free(stack.cfg):
         assert info.num_free_slots == info.max_num_seqs and "deadline" not in info.request_ids
     assert _generate(stack, PROMPT_IDS[1], max_tokens=4, temperature=0).finish_reason in ("stop", "length")
+
+
+def test_coordinator_killed_mid_stream_ends_the_stream_with_unavailable_and_a_restart_recovers(stack):
+    cfg = stack.cfg
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(_generate, stack, PROMPT_IDS[0], max_tokens=MAX_MODEL_LEN - 10, temperature=0,
+                           ignore_eos=True, request_id="orphan")
+        deadline = time.monotonic() + 60
+        while _status(cfg).num_running < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stack.kill("coordinator")
+        with pytest.raises(GenerationError) as info:
+            call.result(timeout=15)  # no hang: the gateway ends the stream
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    deadline = time.monotonic() + 15
+    while health_status(f"{cfg.host}:{cfg.gateway_port}") == SERVING and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert health_status(f"{cfg.host}:{cfg.gateway_port}") != SERVING
+    stack.restart("coordinator", log=lambda line: None)  # waits for every service, the gateway included
+    for info in _wait_slots_free(cfg):  # the new coordinator released the orphan's KV slots
+        assert info.num_free_slots == info.max_num_seqs and not info.request_ids
+    assert _generate(stack, PROMPT_IDS[1], max_tokens=8, temperature=0, ignore_eos=True).finish_reason == "length"
 
 
 def _greedy_batch(stack: Stack, max_tokens: int) -> list:
