@@ -83,8 +83,9 @@ def traced_run(model_dirs, receiver, tmp_path_factory):  # noqa: F811 (fixture i
     servicer, otlp_port = receiver
     target, draft = model_dirs
     tmp = tmp_path_factory.mktemp("telemetry")
-    cfg = dataclasses.replace(_config("psd", target, draft, str(tmp / "runs")), metrics_port=_free_ports(1)[0],
-                              step_log=str(tmp / "steps.jsonl"))
+    metrics_port, http_port = _free_ports(2)
+    cfg = dataclasses.replace(_config("psd", target, draft, str(tmp / "runs")), metrics_port=metrics_port,
+                              http_port=http_port, step_log=str(tmp / "steps.jsonl"))
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp_port}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
            "OTEL_TRACES_EXPORTER": "otlp", "OTEL_BSP_SCHEDULE_DELAY": "100"}
     with pytest.MonkeyPatch.context() as mp, Stack(cfg) as stack:
@@ -94,10 +95,16 @@ def traced_run(model_dirs, receiver, tmp_path_factory):  # noqa: F811 (fixture i
         with futures.ThreadPoolExecutor(NUM_REQUESTS) as pool:
             results = list(pool.map(lambda i: _generate(cfg, i), range(NUM_REQUESTS)))
         status = _status(cfg)
-        with urllib.request.urlopen(f"http://{cfg.host}:{cfg.metrics_port}/metrics", timeout=10) as response:
-            metrics = response.read().decode()
+        metrics = _get(f"http://{cfg.host}:{cfg.metrics_port}/metrics")
+        gateway_metrics = _get(f"http://{cfg.host}:{cfg.http_port}/metrics")
         spans = _wait_for_spans(servicer, status.num_steps)
-        yield dict(cfg=cfg, results=results, status=status, metrics=metrics, spans=spans, receiver=servicer)
+        yield dict(cfg=cfg, results=results, status=status, metrics=metrics, gateway_metrics=gateway_metrics,
+                   spans=spans, receiver=servicer)
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
 
 
 def _generate(cfg, i: int):
@@ -193,6 +200,10 @@ def test_metrics_counters_equal_the_run_totals(traced_run):
     status = traced_run["status"]
     assert _sample(text, "minedraft:psd_parallel_step_ratio") == pytest.approx(
         status.num_parallel_steps / status.num_steps)
+    gateway = traced_run["gateway_metrics"]  # the gateway's HTTP /metrics
+    reasons = {r.finish_reason for r in results}
+    assert sum(_sample(gateway, "minedraft:gateway_requests_total", {"finish_reason": f}) for f in reasons) == NUM_REQUESTS
+    assert _sample(gateway, "minedraft:gateway_time_to_first_token_seconds_count") == NUM_REQUESTS
 
 
 def test_timeline_renders_step_log_and_otlp_export(traced_run, tmp_path):
