@@ -61,10 +61,11 @@ class StepTrace:
 
     def add_requests(self, requests) -> None:
         """Link the step to the ``coordinator.request`` spans of ``requests`` (``RequestState``s)."""
-        for request in requests:
-            self.request_ids.append(request.request_id)
-            if request.trace is not None:
-                self.span.add_link(request.trace.span.get_span_context())
+        self.request_ids += [request.request_id for request in requests]
+        if self.span.is_recording():  # tracing off: skip the link bookkeeping
+            for request in requests:
+                if request.trace is not None:
+                    self.span.add_link(request.trace.span.get_span_context())
 
 
 class RequestTrace:
@@ -131,6 +132,8 @@ def start_step(step_id: int) -> StepTrace:
 def finish_step(step: StepTrace, stats: StepStats, phases: list[Phase]) -> None:
     """Set the ``StepStats`` fields (``minedraft.<field>``) and the request ids, add one ``phase``
     event per engine call (at its start; attributes = the ``Phase`` fields), end the span."""
+    if not step.span.is_recording():  # tracing off (no-op span): nothing to build
+        return
     step.span.set_attributes({f"{_ATTR}{key}": value for key, value in asdict(stats).items()})
     for phase in phases:
         step.span.add_event("phase", attributes=asdict(phase), timestamp=int(phase.start_s * 1e9))
