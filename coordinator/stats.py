@@ -19,7 +19,8 @@ class StepStats:
         num_draft: requests drafted this step (both the batch verified now and the skip batch).
         k: draft tokens per request in the verify (0 = plain decode).
         num_draft_tokens: draft tokens verified this step (k per request still running).
-        num_accepted_tokens: of those, accepted by the rejection sampler.
+        num_accepted_tokens: of those, accepted by the rejection sampler and emitted (tokens cut by
+            stop, EOS or max_tokens do not count; vLLM counts the same way).
         num_emitted_tokens: tokens streamed to clients this step (after finish truncation).
         draft_ms: drafter compute time reported by drafter_svc, summed over Draft calls (ms).
         verify_ms: verifier compute time reported by verifier_svc (ms).
