@@ -110,6 +110,16 @@ def test_invalid_body_is_400_naming_the_param(gateway, fake, body, param):
     assert response["error"]["type"] == "invalid_request_error"
 
 
+def test_chat_params_are_named_as_sent(gateway, fake):
+    _, port = gateway
+    messages = [{"role": "user", "content": "hi"}]
+    for body, param in (({"max_completion_tokens": 1000}, "max_completion_tokens"), ({"max_tokens": 1000}, "max_tokens"),
+                        ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+                        ({"messages": [{"role": "", "content": "x"}]}, "messages[0].role")):
+        status, response = _request(port, "POST", "/v1/chat/completions", {"messages": messages, **body})
+        assert status == 400 and response["error"]["param"] == param, response
+
+
 def test_usage_extension_and_stop_string(gateway, fake):
     _, port = gateway
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0)

@@ -3,7 +3,7 @@
 The official ``openai`` package talks to the gateway's HTTP port: chat and completions, streaming
 and not, logprobs, errors in the OpenAI shape, /v1/models, /health, /metrics. Logprobs: at
 temperature 0 the tokens, logprobs and top_logprobs of ``psd`` equal those of ``ar`` within 1e-4
-(accepted, recovered and bonus tokens alike), and the logprobs equal log_softmax of a plain HF
+(accepted, recovered and bonus tokens alike), ``sd`` likewise, and the logprobs equal log_softmax of a plain HF
 forward of the target. The gRPC client (sync and async, streaming, abort) runs on the same stack.
 """
 from __future__ import annotations
@@ -107,6 +107,16 @@ def test_psd_logprobs_and_top_logprobs_equal_ar(psd, ar_logprobs, model_dirs):  
     assert result.logprobs == pytest.approx(expected.tolist(), abs=TOLERANCE)
     assert [t.token_ids[0] for t in result.top_logprobs] == logprobs.argmax(-1).tolist()
     assert result.usage.num_drafts > 0
+
+
+def test_sd_logprobs_and_top_logprobs_equal_ar(ar_logprobs, model_dirs, tmp_path_factory):  # noqa: F811
+    stack = _start("sd", model_dirs, tmp_path_factory)
+    try:
+        chat, completion = _chat_logprobs(_openai(stack)), _completion_logprobs(_openai(stack))
+    finally:
+        stack.__exit__(None, None, None)
+    _assert_close(chat, ar_logprobs[0])
+    _assert_close(completion, ar_logprobs[1])
 
 
 def test_chat_and_completions_streaming_equal_non_streaming(psd):
