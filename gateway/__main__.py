@@ -61,7 +61,7 @@ async def serve(cfg: GatewayConfig) -> None:
     http = HttpServer(cfg, servicer, health) if cfg.http_port else None
     if http is not None:
         await http.start()
-    mirror = asyncio.create_task(mirror_coordinator_health(cfg.coordinator, health))
+    mirror = asyncio.create_task(mirror_coordinator_health(cfg.coordinator, health, servicer.coordinator_channel))
     try:
         await serve_until_signal(server, health, grace_s=cfg.grace_s)
     finally:

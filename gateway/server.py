@@ -15,7 +15,7 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from minedraft.serving import ServingHealth, aio_channel
+from minedraft.serving import ServingHealth, aio_channel, mirror_health
 from minedraft.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, generate_pb2, generate_pb2_grpc
 
 from gateway.config import GatewayConfig
@@ -41,6 +41,11 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
         self._channel = aio_channel(cfg.coordinator)
         self._coordinator = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._in_flight: set[str] = set()
+
+    @property
+    def coordinator_channel(self) -> grpc.aio.Channel:
+        """The channel every coordinator RPC of this servicer uses."""
+        return self._channel
 
     async def close(self) -> None:
         """Closes the coordinator channel."""
@@ -163,19 +168,10 @@ def _error(request_id: str, code: grpc.StatusCode, message: str) -> generate_pb2
         request_id=request_id, error=common_pb2.GenerateError(code=code.value[0], message=message))
 
 
-async def mirror_coordinator_health(coordinator: str, health: ServingHealth) -> None:
+async def mirror_coordinator_health(coordinator: str, health: ServingHealth,
+                                    channel: grpc.aio.Channel | None = None) -> None:
     """Keeps the gateway's health equal to the coordinator's (Watch on its overall status):
-    SERVING only while the coordinator is SERVING. Runs until cancelled."""
-    async with aio_channel(coordinator) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                async for response in stub.Watch(health_pb2.HealthCheckRequest(service="")):
-                    if response.status == health_pb2.HealthCheckResponse.SERVING:
-                        await health.set_serving()
-                    else:
-                        await health.set_not_serving()
-            except grpc.aio.AioRpcError as exc:
-                logger.debug("coordinator health watch: %s", exc.code())
-            await health.set_not_serving()
-            await asyncio.sleep(HEALTH_RETRY_S)
+    SERVING only while the coordinator is SERVING. With ``channel`` (the one Generate calls use,
+    ``GatewayServicer.coordinator_channel``) SERVING also means that channel is connected again
+    after a coordinator restart. Runs until cancelled (``minedraft.serving.mirror_health``)."""
+    await mirror_health(coordinator, health, HEALTH_RETRY_S, channel)

@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_GRACE_S = 5.0
+MAX_RECONNECT_BACKOFF_MS = 1000
+_BACKOFF_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
 OVERALL_SERVICE = ""  # the health name that stands for the whole server
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -83,8 +86,10 @@ def message_size_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> 
 
 def aio_channel(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
     """An insecure grpc.aio channel to ``target`` ("host:port") with matching size limits; with
-    tracing on (``minedraft.telemetry``) its calls carry the current trace context."""
-    return grpc.aio.insecure_channel(target, options=message_size_options(max_message_bytes),
+    tracing on (``minedraft.telemetry``) its calls carry the current trace context. Its reconnect
+    backoff is capped at ``MAX_RECONNECT_BACKOFF_MS`` (gRPC's default grows to 120 s, so a restarted
+    service would stay unreachable long after it is back)."""
+    return grpc.aio.insecure_channel(target, options=[*message_size_options(max_message_bytes), *_BACKOFF_OPTIONS],
                                      interceptors=telemetry.client_interceptors() or None)
 
 
@@ -248,26 +253,33 @@ def wait_for_serving_sync(target: str, timeout_s: float, service: str = OVERALL_
     asyncio.run(wait_for_serving(target, timeout_s, service))
 
 
-async def mirror_health(target: str, health: ServingHealth, retry_s: float = 0.5) -> None:
+async def mirror_health(target: str, health: ServingHealth, retry_s: float = 0.5,
+                        channel: grpc.aio.Channel | None = None) -> None:
     """Keep ``health`` SERVING only while the server at ``target`` reports SERVING (overall).
+
+    Pass the ``channel`` the caller sends its own RPCs on (not closed here): SERVING is then only
+    reported once that very channel is connected, not merely some other channel to ``target``.
 
     Follows its health Watch stream; when the stream breaks (the server died or restarts) or
     reports anything but SERVING, ``health`` goes NOT_SERVING, and the watch is retried every
     ``retry_s`` seconds. ``health`` stays NOT_SERVING for good once it entered graceful shutdown
     (grpcio's health servicer ignores later sets). Runs until cancelled.
     """
-    async with aio_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                async for response in stub.Watch(health_pb2.HealthCheckRequest(service=OVERALL_SERVICE)):
-                    if response.status == SERVING:
-                        await health.set_serving()
-                    else:
-                        await health.set_not_serving()
-            except grpc.aio.AioRpcError as exc:
-                logger.debug("health watch of %s: %s", target, exc.code())
-            if health.is_serving:
-                logger.warning("%s is not SERVING any more; reporting NOT_SERVING", target)
-            await health.set_not_serving()
-            await asyncio.sleep(retry_s)
+    if channel is None:
+        async with aio_channel(target) as own_channel:
+            await mirror_health(target, health, retry_s, own_channel)
+        return
+    stub = health_pb2_grpc.HealthStub(channel)
+    while True:
+        try:
+            async for response in stub.Watch(health_pb2.HealthCheckRequest(service=OVERALL_SERVICE)):
+                if response.status == SERVING:
+                    await health.set_serving()
+                else:
+                    await health.set_not_serving()
+        except grpc.aio.AioRpcError as exc:
+            logger.debug("health watch of %s: %s", target, exc.code())
+        if health.is_serving:
+            logger.warning("%s is not SERVING any more; reporting NOT_SERVING", target)
+        await health.set_not_serving()
+        await asyncio.sleep(retry_s)
