@@ -89,7 +89,8 @@ class OpenAIFrontend:
     def _decode(self, token_id: int) -> str:
         return self._hf_tokenizer.decode([token_id])
 
-    def _is_authorized(self, request: Request) -> bool:
+    def is_authorized(self, request: Request) -> bool:
+        """True when the gateway has no API key or the request carries it as a Bearer token."""
         return not self._api_key or request.headers.get("authorization", "") == f"Bearer {self._api_key}"
 
     async def generate(self, route: str, body, kind: str, is_logprobs: bool, include_usage: bool):
@@ -184,7 +185,7 @@ def build_app(frontend: OpenAIFrontend) -> FastAPI:
     @app.middleware("http")
     async def count_and_authorize(request: Request, call_next):
         route = request.url.path
-        if route.startswith("/v1/") and not frontend._is_authorized(request):
+        if route.startswith("/v1/") and not frontend.is_authorized(request):
             response = error_response(401, "invalid API key", None, "invalid_api_key")
         else:
             response = await call_next(request)
