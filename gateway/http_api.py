@@ -13,6 +13,7 @@ field in ``param``, 401 wrong API key (when the gateway has one), 404 unknown mo
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import time
 import uuid
@@ -91,7 +92,8 @@ class OpenAIFrontend:
 
     def is_authorized(self, request: Request) -> bool:
         """True when the gateway has no API key or the request carries it as a Bearer token."""
-        return not self._api_key or request.headers.get("authorization", "") == f"Bearer {self._api_key}"
+        given = request.headers.get("authorization", "").encode()
+        return not self._api_key or hmac.compare_digest(given, f"Bearer {self._api_key}".encode())
 
     async def generate(self, route: str, body, kind: str, is_logprobs: bool, include_usage: bool):
         """Runs one generation; JSON or an SSE stream."""
