@@ -12,10 +12,12 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 
 from drafter_svc.engine_service import DATA_PLANE_NAMES, add_common_args
 from drafter_svc.servicer import DrafterServicer
 from minedraft import telemetry
+from minedraft.capacity import GIB, InsufficientMemoryError, check_fits, model_footprint
 from minedraft.serving import ServerOptions, build_server, serve_until_signal
 from minedraft.v1 import engine_pb2, engine_pb2_grpc
 
@@ -54,6 +56,19 @@ def _target_vocab_size(args: argparse.Namespace, draft_dir: str) -> int | None:
     return int(config.get_text_config().vocab_size)
 
 
+def check_draft_memory(draft_dir: str, args: argparse.Namespace) -> None:
+    """Draft weights + draft KV (``--max-num-seqs`` x ``--max-model-len``) against available memory,
+    before anything is allocated. Raises ``minedraft.capacity.InsufficientMemoryError``."""
+    try:
+        footprint = model_footprint("draft", draft_dir, args.dtype, args.max_num_seqs, args.max_model_len)
+    except (OSError, KeyError) as exc:  # e.g. a GGUF draft: no safetensors header to read
+        logger.warning("draft memory check skipped: %s", exc)
+        return
+    total = check_fits([footprint])
+    logger.info("draft memory: %.3f GiB (weights %.3f, KV cache %.3f)", total / GIB,
+                footprint.weight_bytes / GIB, footprint.kv_cache_bytes / GIB)
+
+
 def load_worker(args: argparse.Namespace):
     """Build the ``DraftWorker`` (blocking: loads the model)."""
     from specdec.config import CacheConfig, ModelConfig
@@ -64,7 +79,9 @@ def load_worker(args: argparse.Namespace):
     model_cfg = ModelConfig(model=args.draft, gguf_file=args.draft_gguf_file, dtype=args.dtype,
                             device=args.device, num_threads=args.num_threads)
     cache_cfg = CacheConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
-    target_vocab_size = _target_vocab_size(args, resolve_model_dir(model_cfg))
+    draft_dir = resolve_model_dir(model_cfg)
+    check_draft_memory(draft_dir, args)
+    target_vocab_size = _target_vocab_size(args, draft_dir)
     runner = ModelRunner(model_cfg, cache_cfg)
     return DraftWorker(runner, target_vocab_size=target_vocab_size, seed=args.seed)
 
@@ -105,7 +122,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     telemetry.init_tracing("drafter")  # OTEL_* environment (minedraft.telemetry)
-    asyncio.run(serve(args))
+    try:
+        asyncio.run(serve(args))
+    except InsufficientMemoryError as exc:  # fail at start with the reason, not mid-traffic
+        logger.error("cannot start: %s", exc)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

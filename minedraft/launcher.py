@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from minedraft.stack import ServiceSpec, StackConfig, build_service_specs
+from minedraft.capacity import GIB, check_fits, model_footprint
+from minedraft.stack import ServiceSpec, StackConfig, build_service_specs, resolve_draft_dir
 
 POLL_S = 0.25
 NUM_LOG_TAIL_LINES = 40
@@ -48,6 +49,25 @@ def resolve_model_dir(model: str, timeout_s: float = 900.0) -> str:
     if proc.returncode != 0:
         raise StackError(f"cannot resolve model {model!r}: {proc.stderr.strip()}")
     return proc.stdout.strip().splitlines()[-1]
+
+
+def check_memory(cfg: StackConfig, model_dir: str, log=print) -> None:
+    """Count target and draft weights plus both engines' KV caches (2m slots of ``max_model_len``)
+    against available memory before anything starts (``minedraft.capacity``). Models whose files
+    cannot be read are left to their service to report.
+
+    Raises:
+        InsufficientMemoryError: the configuration cannot fit.
+    """
+    dirs = [("target", model_dir)] + ([("draft", resolve_draft_dir(cfg, model_dir))] if cfg.has_drafter else [])
+    try:
+        footprints = [model_footprint(name, path, cfg.dtype, cfg.num_engine_slots, cfg.max_model_len)
+                      for name, path in dirs]
+    except (OSError, KeyError, ValueError) as exc:
+        log(f"memory check skipped: {exc}")
+        return
+    total = check_fits(footprints)
+    log(f"memory: {total / GIB:.2f} GiB for weights and KV caches ({', '.join(name for name, _ in dirs)})")
 
 
 def _child_setup(cpus: tuple[int, ...]) -> None:
@@ -104,7 +124,10 @@ class Stack:
 
         Raises:
             StackError: a service died or was not SERVING within ``cfg.startup_timeout_s``.
+            InsufficientMemoryError: target + draft weights and KV caches exceed available memory
+                (``check_memory``; nothing is started then).
         """
+        check_memory(self.cfg, model_dir, log)
         self.run_dir = self.run_dir or os.path.join(self.cfg.runs_dir, time.strftime("%Y%m%d-%H%M%S"))
         os.makedirs(self.run_dir, exist_ok=True)
         for spec in build_service_specs(self.cfg, model_dir):
@@ -219,7 +242,7 @@ def run_until_signal(cfg: StackConfig, log=print) -> int:
     except StopRequested:
         log("shutting down")
         return 0
-    except (RuntimeError, subprocess.SubprocessError) as exc:  # StackError, draft/model resolution
+    except (RuntimeError, subprocess.SubprocessError) as exc:  # StackError, memory, draft/model resolution
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
