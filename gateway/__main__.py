@@ -16,6 +16,7 @@ from minedraft import telemetry
 from minedraft.serving import ServerOptions, build_server, serve_until_signal
 from minedraft.v1 import generate_pb2_grpc
 
+from gateway.auth import ApiKeyInterceptor
 from gateway.config import DEFAULT_COORDINATOR, DEFAULT_HTTP_PORT, DEFAULT_MODEL_NAME, DEFAULT_PORT, GatewayConfig
 from gateway.http_server import HttpServer
 from gateway.server import SERVICE_NAME, GatewayServicer, mirror_coordinator_health
@@ -40,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                    help="OpenAI-compatible HTTP API port on --host (0 = off)")
     p.add_argument("--api-key", default=os.environ.get("MINEDRAFT_API_KEY", ""),
-                   help="HTTP /v1/* needs 'Authorization: Bearer KEY' (default: $MINEDRAFT_API_KEY; empty = open)")
+                   help="HTTP /v1/* and the gRPC MineDraft API need 'Authorization: Bearer KEY' "
+                        "(gRPC: metadata 'authorization'; default: $MINEDRAFT_API_KEY; empty = open)")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -53,7 +55,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
 async def serve(cfg: GatewayConfig) -> None:
     """Loads the tokenizer, starts the server, mirrors coordinator health, serves until a signal."""
     tokenizer = await asyncio.to_thread(PromptTokenizer, cfg.tokenizer)
-    server, health, port = await build_server([SERVICE_NAME], ServerOptions(host=cfg.host, port=cfg.port))
+    interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []  # gRPC API key (gateway.auth)
+    server, health, port = await build_server([SERVICE_NAME], ServerOptions(host=cfg.host, port=cfg.port),
+                                              interceptors)
     servicer = GatewayServicer(cfg, tokenizer)
     generate_pb2_grpc.add_MineDraftServicer_to_server(servicer, server)
     await server.start()

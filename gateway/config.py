@@ -26,7 +26,8 @@ class GatewayConfig:
         host, port: where the public gRPC server listens.
         grace_s: seconds in-flight streams get to finish on SIGTERM.
         http_port: port of the OpenAI-compatible HTTP API on ``host`` (0 = no HTTP server).
-        api_key: when set, HTTP ``/v1/*`` requests need ``Authorization: Bearer <api_key>``.
+        api_key: when set, HTTP ``/v1/*`` requests need ``Authorization: Bearer <api_key>``, and
+            gRPC ``minedraft.v1.MineDraft`` calls the metadata ``authorization: Bearer <api_key>``.
     """
 
     tokenizer: str

@@ -12,7 +12,8 @@ Sampling keywords are the fields of ``minedraft.v1.SamplingParams`` (temperature
 min_p, seed, max_tokens, stop, stop_token_ids, ignore_eos, include_stop_str_in_output, logprobs:
 the number of top logprobs per token, 0-20). ``abort(request_id)`` stops a running request.
 Invalid requests raise ``grpc.RpcError`` with INVALID_ARGUMENT; an error reported inside the
-stream raises ``GenerationError``.
+stream raises ``GenerationError``. ``api_key=`` sends ``authorization: Bearer KEY`` metadata
+(gateways started with ``--api-key``; without it they answer UNAUTHENTICATED).
 """
 from __future__ import annotations
 
@@ -110,12 +111,19 @@ class _Collector:
             self.result.latency_s = time.perf_counter() - self.start
 
 
+def api_key_metadata(api_key: str) -> tuple[tuple[str, str], ...]:
+    """gRPC call metadata for a gateway started with ``--api-key`` (``authorization: Bearer KEY``);
+    empty without a key."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
 class MineDraftClient:
     """Blocking client over one gRPC channel to the gateway (``host:port``)."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, timeout_s: float | None = None) -> None:
+    def __init__(self, target: str = DEFAULT_TARGET, timeout_s: float | None = None, api_key: str = "") -> None:
         self.target = target
         self._timeout_s = timeout_s
+        self._metadata = api_key_metadata(api_key)
         self._channel = grpc.insecure_channel(target, options=message_size_options())
         self._stub = generate_pb2_grpc.MineDraftStub(self._channel)
 
@@ -134,7 +142,7 @@ class MineDraftClient:
 
     def stream(self, request: generate_pb2.GenerateRequest) -> Iterator[generate_pb2.GenerateResponse]:
         """The raw response stream of one request (cancel by closing the iterator)."""
-        call = self._stub.Generate(request, timeout=self._timeout_s)
+        call = self._stub.Generate(request, timeout=self._timeout_s, metadata=self._metadata)
         try:
             yield from call
         finally:
@@ -157,18 +165,21 @@ class MineDraftClient:
 
     def abort(self, request_id: str) -> bool:
         """Aborts a running request; True when the coordinator knew it."""
-        return self._stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=self._timeout_s).found
+        return self._stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=self._timeout_s,
+                                metadata=self._metadata).found
 
     def list_models(self) -> list[generate_pb2.ModelCard]:
-        return list(self._stub.ListModels(generate_pb2.ListModelsRequest(), timeout=self._timeout_s).models)
+        return list(self._stub.ListModels(generate_pb2.ListModelsRequest(), timeout=self._timeout_s,
+                                          metadata=self._metadata).models)
 
 
 class AsyncMineDraftClient:
     """grpc.aio client; create and use it inside one running event loop."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, timeout_s: float | None = None) -> None:
+    def __init__(self, target: str = DEFAULT_TARGET, timeout_s: float | None = None, api_key: str = "") -> None:
         self.target = target
         self._timeout_s = timeout_s
+        self._metadata = api_key_metadata(api_key)
         self._channel = aio_channel(target)
         self._stub = generate_pb2_grpc.MineDraftStub(self._channel)
 
@@ -187,7 +198,7 @@ class AsyncMineDraftClient:
 
     async def stream(self, request: generate_pb2.GenerateRequest) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """The raw response stream of one request."""
-        call = self._stub.Generate(request, timeout=self._timeout_s)
+        call = self._stub.Generate(request, timeout=self._timeout_s, metadata=self._metadata)
         try:
             async for response in call:
                 yield response
@@ -210,9 +221,11 @@ class AsyncMineDraftClient:
         return collector.result
 
     async def abort(self, request_id: str) -> bool:
-        response = await self._stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=self._timeout_s)
+        response = await self._stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=self._timeout_s,
+                                          metadata=self._metadata)
         return response.found
 
     async def list_models(self) -> list[generate_pb2.ModelCard]:
-        response = await self._stub.ListModels(generate_pb2.ListModelsRequest(), timeout=self._timeout_s)
+        response = await self._stub.ListModels(generate_pb2.ListModelsRequest(), timeout=self._timeout_s,
+                                               metadata=self._metadata)
         return list(response.models)
