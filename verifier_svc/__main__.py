@@ -106,8 +106,9 @@ def follow(args: argparse.Namespace, ctx: TPContext) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    telemetry.init_tracing("verifier")  # OTEL_* environment (minedraft.telemetry); rank 0 serves the RPCs
     ctx = TPContext.from_env()
+    if ctx.is_driver:  # rank 0 serves the RPCs; other ranks' spans would be parentless roots
+        telemetry.init_tracing("verifier")  # OTEL_* environment (minedraft.telemetry)
     try:
         if ctx.is_driver:
             asyncio.run(serve(args, ctx))
