@@ -220,3 +220,10 @@ def test_timeline_renders_step_log_and_otlp_export(traced_run, tmp_path):
         assert cli_main(["timeline", source, "--out", str(out)]) == 0
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         out.unlink()
+
+
+def test_timeline_refuses_input_without_steps(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(json.dumps({"resourceSpans": []}) + "\n")
+    with pytest.raises(ValueError, match="no coordinator steps"):
+        timeline.load_steps(str(path))
