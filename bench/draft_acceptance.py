@@ -20,6 +20,8 @@ Method (plain HF forwards, no serving stack):
   tokens. Mean acceptance length = mean tokens per step (accepted + the recovered/bonus token);
   per-position acceptance rate = share of steps whose i-th draft token is accepted (vLLM's
   ``num_accepted_tokens_per_pos / num_drafts``).
+- Reduced draft vocabulary (FR-Spec): the draft's logits over its ``N`` target ids are scattered
+  into the target vocabulary with ``-inf`` elsewhere, so ``q`` is zero outside the subset.
 - Cost: one decode forward (1 new token over a KV cache of ``--context`` tokens), 1 CPU thread,
   batch 1 and 16, median wall time (ms) of draft and target; ratio = draft / target.
 
@@ -42,7 +44,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from specdec.config import ModelConfig
 from specdec.distill import pad_batch
-from specdec.draft_format import load_draft, read_meta, resolve_target_dir
+from specdec.draft_format import draft_vocab_ids, load_draft, read_meta, resolve_target_dir
 
 SPEC_BENCH = "/work/shared/data/spec_bench/question.jsonl"
 SINGLE_TURN = ("translation", "summarization", "qa", "math_reasoning", "rag")
@@ -85,7 +87,7 @@ def trajectory_betas(target, draft, prompts: list[list[int]], temperature: float
     for start in range(0, len(pairs), chunk):
         ids, mask, is_resp = pad_batch(pairs[start:start + chunk], "cpu")
         p_logits = target(input_ids=ids, attention_mask=mask).logits
-        q_logits = draft(input_ids=ids, attention_mask=mask).logits
+        q_logits = target_vocab_logits(draft, draft(input_ids=ids, attention_mask=mask).logits, p_logits.shape[-1])
         for i in range(ids.shape[0]):
             p_i, q_i = p_logits[i][is_resp[i]], q_logits[i][is_resp[i]]
             if temperature == 0:
@@ -142,7 +144,8 @@ def sd_accepted_counts(target, draft, prompt: list[int], k: int, temperature: fl
     while len(seq) - len(prompt) < max_new:
         drafts, q_rows, feed = [], [], seq[d_cache.get_seq_length():]
         for _ in range(k):
-            q = _probs(draft(torch.tensor([feed]), past_key_values=d_cache, use_cache=True).logits[0, -1], temperature)
+            logits = draft(torch.tensor([feed]), past_key_values=d_cache, use_cache=True).logits[0, -1]
+            q = _probs(target_vocab_logits(draft, logits, target.config.vocab_size), temperature)
             tok = int(q.argmax()) if temperature == 0 else int(torch.multinomial(q, 1, generator=gen))
             drafts, q_rows, feed = drafts + [tok], q_rows + [q], [tok]
         logits = target(torch.tensor([[seq[-1]] + drafts]), past_key_values=t_cache, use_cache=True).logits[0]
@@ -163,6 +166,15 @@ def sd_accepted_counts(target, draft, prompt: list[int], k: int, temperature: fl
         _crop_to(t_cache, len(seq) - 1)
         _crop_to(d_cache, len(seq) - 1)
     return counts
+
+
+def target_vocab_logits(draft, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft logits ``[..., N]`` of a reduced-vocabulary draft -> ``[..., vocab_size]`` (-inf outside)."""
+    ids = draft_vocab_ids(draft)
+    if ids is None:
+        return logits
+    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    return full.index_copy_(-1, ids, logits)
 
 
 def _crop_to(cache: DynamicCache, length: int) -> None:

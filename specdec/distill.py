@@ -50,6 +50,8 @@ FIELD_HELP = {
     "seed": "seed of shuffling, sampling and batching", "device": "auto | cpu | cuda[:i]",
     "save_dtype": "dtype of the saved draft weights", "checkpoint_every": "steps between checkpoints",
     "record_target": "target alias written to the draft metadata (default --target)",
+    "draft_vocab_size": "reduced draft head: the N most frequent target ids of the responses (0: full vocab)",
+    "time_budget_s": "stop training once the whole run took this many seconds, then evaluate + save (0: none)",
 }
 
 
@@ -80,14 +82,17 @@ class DistillConfig:
     save_dtype: str = "bfloat16"
     record_target: str | None = None
     checkpoint_every: int = 200
+    draft_vocab_size: int = 0
+    time_budget_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "max_prompts", "max_prompt_tokens", "max_new_tokens", "top_k_logits",
                      "gen_batch_size", "batch_size", "num_epochs", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_samples < 0 or self.num_heldout < 0:
-            raise ValueError("num_samples and num_heldout must be >= 0")
+        for name in ("num_samples", "num_heldout", "draft_vocab_size", "time_budget_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0 or not self.sample_temperature > 0:
             raise ValueError("lr and sample_temperature must be > 0")
         if self.init_layers and len(self.init_layers) != self.num_layers:
@@ -191,21 +196,52 @@ def teacher_topk(target, pairs, cfg: DistillConfig, device) -> list[tuple[torch.
 def distill_loss(draft_logits: torch.Tensor, top_vals: torch.Tensor, top_idx: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of ``KL(p || q)``, ``p = softmax(top_vals)`` on the top-k support.
 
-    Args: draft logits ``[N, V]``, teacher top-k logits ``[N, k]`` and ids ``[N, k]``.
+    Args: draft logits ``[N, V]``, teacher top-k logits ``[N, k]`` and draft-head indices
+    ``[N, k]``; an index ``-1`` marks a teacher token outside a reduced draft vocabulary: ``p`` is
+    then renormalised over the kept tokens (rows that keep none are skipped).
     """
-    log_p = F.log_softmax(top_vals.float(), dim=-1)
-    log_q = F.log_softmax(draft_logits.float(), dim=-1).gather(-1, top_idx.long())
-    return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    is_kept = top_idx >= 0
+    log_p = F.log_softmax(top_vals.float().masked_fill(~is_kept, float("-inf")), dim=-1)
+    log_p = torch.where(is_kept, log_p, torch.zeros_like(log_p))  # finite everywhere: no NaN grads
+    p = torch.where(is_kept, log_p.exp(), torch.zeros_like(log_p))
+    log_q = F.log_softmax(draft_logits.float(), dim=-1).gather(-1, top_idx.long().clamp_min(0))
+    has_any = is_kept.any(-1)
+    return (p * (log_p - log_q)).sum(-1).sum() / has_any.sum().clamp_min(1)
 
 
-def train_step(draft, batch_pairs, batch_teacher, device) -> tuple[torch.Tensor, int]:
-    """Loss of one batch (not yet backpropagated) and its number of response tokens."""
+def frequent_token_ids(pairs, num_ids: int, always=()) -> torch.Tensor:
+    """FR-Spec draft vocabulary: the ``num_ids`` most frequent response token ids, ascending.
+
+    Ids in ``always`` (e.g. EOS) are included first. Returns int64 ``[min(num_ids, #distinct)]``.
+    """
+    counts: dict[int, int] = {}
+    for _, resp in pairs:
+        for t in resp:
+            counts[t] = counts.get(t, 0) + 1
+    ranked = list(dict.fromkeys([*always, *sorted(counts, key=lambda t: (-counts[t], t))]))
+    return torch.tensor(sorted(ranked[:num_ids]), dtype=torch.int64)
+
+
+def target_to_draft_index(vocab_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
+    """Lookup ``[vocab_size]``: target id -> index in the draft head, -1 outside; None: identity."""
+    if vocab_ids is None:
+        return None
+    lut = torch.full((vocab_size,), -1, dtype=torch.int64, device=vocab_ids.device)
+    lut[vocab_ids] = torch.arange(vocab_ids.numel(), device=vocab_ids.device)
+    return lut
+
+
+def train_step(draft, batch_pairs, batch_teacher, device, lut=None) -> tuple[torch.Tensor, int]:
+    """Loss of one batch (not yet backpropagated) and its number of response tokens.
+
+    ``lut``: :func:`target_to_draft_index` of a reduced-vocabulary draft (None: full vocab).
+    """
     ids, mask, is_resp = pad_batch(batch_pairs, device)
     hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state[is_resp]
     logits = draft.lm_head(hidden)
     vals = torch.cat([v for v, _ in batch_teacher]).to(device)
-    idx = torch.cat([i for _, i in batch_teacher]).to(device)
-    return distill_loss(logits, vals, idx), int(is_resp.sum())
+    idx = torch.cat([i for _, i in batch_teacher]).to(device).long()
+    return distill_loss(logits, vals, idx if lut is None else lut[idx]), int(is_resp.sum())
 
 
 @torch.no_grad()
@@ -216,6 +252,8 @@ def top1_agreement(draft, target, pairs, device, batch_size: int) -> float:
         ids, mask, is_resp = pad_batch(pairs[start:start + batch_size], device)
         t = target(input_ids=ids, attention_mask=mask).logits.argmax(-1)[is_resp]
         d = draft(input_ids=ids, attention_mask=mask).logits.argmax(-1)[is_resp]
+        vocab_ids = fmt.draft_vocab_ids(draft)
+        d = d if vocab_ids is None else vocab_ids[d]
         hits, total = hits + int((t == d).sum()), total + t.numel()
     return hits / max(total, 1)
 
@@ -273,14 +311,20 @@ def build_dataset(cfg: DistillConfig, target, tokenizer, device: str):
     return pairs, teacher, held
 
 
-def train(cfg: DistillConfig, draft, pairs, teacher, device: str, tag: str) -> dict:
-    """AdamW + cosine schedule over ``num_epochs``; resumes from ``work_dir/ckpt_<tag>.pt``."""
+def train(cfg: DistillConfig, draft, pairs, teacher, device: str, tag: str, t0: float | None = None) -> dict:
+    """AdamW + cosine schedule over ``num_epochs``; resumes from ``work_dir/ckpt_<tag>.pt``.
+
+    Stops early once ``time.perf_counter() - t0`` exceeds ``cfg.time_budget_s`` (when set).
+    """
     params = [p for n, p in draft.named_parameters() if n.startswith(fmt.OWN_WEIGHT_PREFIXES)]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(pairs) / cfg.batch_size)
     num_steps = steps_per_epoch * cfg.num_epochs
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / num_steps, 1.0))))
     ckpt_path, step, num_tokens, losses = os.path.join(cfg.work_dir, f"ckpt_{tag}.pt"), 0, 0, []
+    vocab_ids = fmt.draft_vocab_ids(draft)
+    lut = target_to_draft_index(vocab_ids, draft.config.vocab_size)
+    t_start = time.perf_counter() if t0 is None else t0
     if os.path.exists(ckpt_path):
         ck = torch.load(ckpt_path, weights_only=False)
         draft.load_state_dict(ck["draft"], strict=False)
@@ -293,7 +337,7 @@ def train(cfg: DistillConfig, draft, pairs, teacher, device: str, tag: str) -> d
         epoch, pos = divmod(step, steps_per_epoch)
         order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch)).tolist()
         sel = order[pos * cfg.batch_size:(pos + 1) * cfg.batch_size]
-        loss, n = train_step(draft, [pairs[i] for i in sel], [teacher[i] for i in sel], device)
+        loss, n = train_step(draft, [pairs[i] for i in sel], [teacher[i] for i in sel], device, lut)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -303,14 +347,17 @@ def train(cfg: DistillConfig, draft, pairs, teacher, device: str, tag: str) -> d
         losses.append(loss.item())
         bar.update(1)
         bar.set_postfix(kl=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}")
-        if step % cfg.checkpoint_every == 0 or step == num_steps:
+        is_out_of_time = 0 < cfg.time_budget_s < time.perf_counter() - t_start
+        if step % cfg.checkpoint_every == 0 or step == num_steps or is_out_of_time:
             torch.save({"draft": fmt.own_state_dict(draft), "opt": opt.state_dict(), "sched": sched.state_dict(),
                         "step": step, "num_tokens": num_tokens, "losses": losses}, ckpt_path)
+        if is_out_of_time:
+            break
     bar.close()
     draft.eval()
     tail = losses[-max(1, steps_per_epoch // 4):]
     return {"first_kl": losses[0] if losses else None, "final_kl": sum(tail) / len(tail),
-            "num_steps": step, "num_train_tokens": num_tokens}
+            "num_steps": step, "num_planned_steps": num_steps, "num_train_tokens": num_tokens}
 
 
 def run(cfg: DistillConfig) -> dict:
@@ -325,19 +372,33 @@ def run(cfg: DistillConfig) -> dict:
     target, tokenizer = load_target(cfg, device)
     pairs, teacher, held = build_dataset(cfg, target, tokenizer, device)
     layers = cfg.init_layers or default_init_layers(target.config.num_hidden_layers, cfg.num_layers)
-    draft = fmt.build_draft_from_target(target, list(layers)).float()
+    vocab_ids = None
+    if cfg.draft_vocab_size:
+        vocab_ids = frequent_token_ids(pairs, cfg.draft_vocab_size, _eos_ids(tokenizer, target)).to(device)
+    draft = fmt.build_draft_from_target(target, list(layers), vocab_ids).float()
     agree_before = top1_agreement(draft, target, held, device, cfg.batch_size)
-    summary = train(cfg, draft, pairs, teacher, device, tag="-".join(map(str, layers)))
+    summary = train(cfg, draft, pairs, teacher, device, tag="-".join(map(str, layers)), t0=t0)
     summary.update(top1_agreement_heldout=top1_agreement(draft, target, held, device, cfg.batch_size),
                    top1_agreement_heldout_before=agree_before, num_train_sequences=len(pairs),
                    num_heldout_sequences=len(held), wall_time_s=round(time.perf_counter() - t0, 1),
                    seed=cfg.seed, device=device, lr=cfg.lr, num_epochs=cfg.num_epochs,
-                   top_k_logits=cfg.top_k_logits, max_new_tokens=cfg.max_new_tokens)
+                   top_k_logits=cfg.top_k_logits, max_new_tokens=cfg.max_new_tokens,
+                   response_token_coverage=_coverage(pairs, vocab_ids))
     meta = fmt.DraftMeta(target=cfg.record_target or cfg.target, target_fingerprint=fmt.embedding_fingerprint(
         target.model.embed_tokens.weight), num_layers=len(layers), init_layers=tuple(layers),
-        target_gguf_file=None if cfg.record_target else cfg.gguf_file, training=summary)
+        target_gguf_file=None if cfg.record_target else cfg.gguf_file, training=summary,
+        draft_vocab_size=None if vocab_ids is None else vocab_ids.numel())
     fmt.save_draft(draft, cfg.out_dir, meta, dtype=getattr(torch, cfg.save_dtype))
     return summary
+
+
+def _coverage(pairs, vocab_ids: torch.Tensor | None) -> float:
+    """Share of training response tokens inside the draft vocabulary (1.0 for a full vocab)."""
+    if vocab_ids is None:
+        return 1.0
+    kept = set(vocab_ids.tolist())
+    total = sum(len(r) for _, r in pairs)
+    return sum(t in kept for _, r in pairs for t in r) / max(total, 1)
 
 
 def parse_args(argv: list[str] | None) -> DistillConfig:

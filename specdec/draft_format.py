@@ -5,7 +5,14 @@ A draft directory holds
 - ``minedraft_draft.json``: format version, target (alias or path), target fingerprint,
   ``num_layers`` and the target layers that initialised the draft (``init_layers``);
 - ``config.json``: the draft's ``LlamaConfig`` (``num_hidden_layers = num_layers``);
-- ``model.safetensors``: ONLY the draft's own weights (``model.layers.*`` and ``model.norm``).
+- ``model.safetensors``: ONLY the draft's own weights (``model.layers.*`` and ``model.norm``),
+  plus, for a reduced draft vocabulary, ``draft_vocab_ids`` (int64 ``[N]``, target token ids).
+
+Reduced draft vocabulary (FR-Spec, Zhao et al. 2025, arXiv 2502.14856, Sec. 3): the draft's LM
+head covers only the ``N`` target token ids most frequent in the target's own responses; its rows
+``[N, hidden]`` are gathered from the borrowed target head at load time (never stored). The draft
+model then returns logits ``[..., N]`` over the subset; index ``i`` means target id
+``draft_vocab_ids[i]`` (read with :func:`draft_vocab_ids`; the engine maps back to target ids).
 
 At load time the token embeddings ``[vocab, hidden]`` and the LM head ``[vocab, hidden]`` are
 taken from the named target and shared by reference (the issue 4 design; EAGLE, Li et al. 2024,
@@ -36,6 +43,7 @@ PROBE_RTOL = 1e-2  # bf16 vs fp32 storage of the same target stays far inside th
 EMBED_KEY_SUFFIX = "embed_tokens.weight"
 LM_HEAD_KEY = "lm_head.weight"
 OWN_WEIGHT_PREFIXES = ("model.layers.", "model.norm.")
+DRAFT_VOCAB_KEY = "draft_vocab_ids"
 CONFIG_KEYS_NOT_INHERITED = ("quantization_config", "_name_or_path", "_model_name_or_path")  # e.g. GGUF
 
 
@@ -51,6 +59,7 @@ class DraftMeta:
         target_gguf_file: GGUF file name when ``target`` is a dir holding a GGUF file.
         training: free-form training summary (loss, tokens, seed, ...).
         format_version: ``FORMAT_VERSION`` of the writer.
+        draft_vocab_size: ``N`` of a reduced draft vocabulary, None for the target's full vocab.
     """
 
     target: str
@@ -60,8 +69,11 @@ class DraftMeta:
     target_gguf_file: str | None = None
     training: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size must be None or >= 1, got {self.draft_vocab_size}")
         if not self.target:
             raise ValueError("target must be a non-empty alias or path")
         if self.num_layers < 1:
@@ -151,9 +163,11 @@ def draft_config_from_target(target_config: LlamaConfig, num_layers: int) -> Lla
     return cfg
 
 
-def build_draft_from_target(target: PreTrainedModel, layers: list[int]) -> LlamaForCausalLM:
+def build_draft_from_target(target: PreTrainedModel, layers: list[int],
+                            vocab_ids: torch.Tensor | None = None) -> LlamaForCausalLM:
     """Draft whose layer i is a copy of ``target`` layer ``layers[i]``; shares embeddings and head.
 
+    ``vocab_ids`` (``[N]`` target ids) gives the draft a reduced head (:func:`set_draft_vocab`).
     Raises ValueError on an empty ``layers`` or an index outside the target's layers.
     """
     num_target = target.config.num_hidden_layers
@@ -165,7 +179,36 @@ def build_draft_from_target(target: PreTrainedModel, layers: list[int]) -> Llama
         draft.model.layers[i].load_state_dict(target.model.layers[src].state_dict())
     draft.model.norm.load_state_dict(target.model.norm.state_dict())
     attach_target_embeddings(draft, target.model.embed_tokens.weight, target.lm_head.weight)
+    if vocab_ids is not None:
+        set_draft_vocab(draft, vocab_ids)
     return draft
+
+
+def set_draft_vocab(draft: LlamaForCausalLM, vocab_ids: torch.Tensor) -> None:
+    """Replace the draft's LM head by the rows ``vocab_ids`` of its current (target) head.
+
+    Args:
+        draft: a draft whose ``lm_head`` is the full target head ``[V, hidden]``.
+        vocab_ids: ``[N]`` distinct target token ids in ``[0, V)`` (any integer dtype).
+    Afterwards ``draft(...).logits`` is ``[..., N]`` and ``draft.draft_vocab_ids`` (a
+    non-persistent int64 buffer) maps logit index -> target id. The gathered head is frozen.
+    Raises ValueError on an empty, non-1-D, duplicated or out-of-range ``vocab_ids``.
+    """
+    full = draft.lm_head.weight
+    ids = vocab_ids.to(device=full.device, dtype=torch.int64)
+    if ids.dim() != 1 or ids.numel() == 0 or ids.unique().numel() != ids.numel():
+        raise ValueError("vocab_ids must be a non-empty 1-D tensor of distinct token ids")
+    if int(ids.min()) < 0 or int(ids.max()) >= full.shape[0]:
+        raise ValueError(f"vocab_ids must lie in [0, {full.shape[0]}), got [{int(ids.min())}, {int(ids.max())}]")
+    head = torch.nn.Linear(full.shape[1], ids.numel(), bias=False, device=full.device, dtype=full.dtype)
+    head.weight = torch.nn.Parameter(full.detach()[ids].clone(), requires_grad=False)
+    draft.lm_head = head
+    draft.register_buffer(DRAFT_VOCAB_KEY, ids, persistent=False)
+
+
+def draft_vocab_ids(model: torch.nn.Module) -> torch.Tensor | None:
+    """``[N]`` int64 target ids of a reduced-vocabulary draft's logits, None for a full vocab."""
+    return getattr(model, DRAFT_VOCAB_KEY, None)
 
 
 def attach_target_embeddings(draft: LlamaForCausalLM, embed: torch.Tensor, head: torch.Tensor | None) -> None:
@@ -193,6 +236,11 @@ def save_draft(draft: LlamaForCausalLM, out_dir: str, meta: DraftMeta, dtype: to
     weights = own_state_dict(draft)
     if dtype is not None:
         weights = {k: v.to(dtype) for k, v in weights.items()}
+    ids = draft_vocab_ids(draft)
+    if ids is not None:
+        weights[DRAFT_VOCAB_KEY] = ids.detach().to("cpu", torch.int64).contiguous()
+    if (meta.draft_vocab_size or None) != (None if ids is None else ids.numel()):
+        raise ValueError(f"meta.draft_vocab_size={meta.draft_vocab_size} does not match the draft's head")
     save_file(weights, os.path.join(out_dir, DRAFT_WEIGHTS_FILE), metadata={"format": "pt"})
     draft.config.save_pretrained(out_dir)
     with open(os.path.join(out_dir, DRAFT_META_FILE), "w", encoding="utf-8") as f:
@@ -273,13 +321,20 @@ def load_draft(
         draft = LlamaForCausalLM(config)
     draft.to_empty(device=device)
     with safe_open(os.path.join(draft_dir, DRAFT_WEIGHTS_FILE), framework="pt") as f:
-        own = {k: f.get_tensor(k).to(dtype) for k in f.keys()}
+        own = {k: f.get_tensor(k) for k in f.keys()}
+    vocab_ids = own.pop(DRAFT_VOCAB_KEY, None)
+    own = {k: v.to(dtype) for k, v in own.items()}
+    if (vocab_ids is None) != (meta.draft_vocab_size is None) or (
+            vocab_ids is not None and vocab_ids.numel() != meta.draft_vocab_size):
+        raise ValueError(f"{draft_dir}: '{DRAFT_VOCAB_KEY}' does not match draft_vocab_size={meta.draft_vocab_size}")
     draft.to(dtype)
     missing, _ = draft.load_state_dict(own, strict=False, assign=True)
     _check_missing(missing)
     if target_model is None:
         embed, head = embed.to(device, dtype), None if head is None else head.to(device, dtype)
     attach_target_embeddings(draft, embed, head)
+    if vocab_ids is not None:
+        set_draft_vocab(draft, vocab_ids)
     with torch.device(device):  # non-persistent inv_freq buffer was left on the meta device
         draft.model.rotary_emb = type(draft.model.rotary_emb)(config=config)
     return draft.to(device).eval()

@@ -29,6 +29,8 @@ class ModelRunner:
 
     Attributes:
         vocab_size: size of the logits' last dim ``V``.
+        input_vocab_size: number of token ids the model accepts (its embedding rows); larger
+            than ``vocab_size`` for a draft with a reduced vocabulary (``specdec.draft_format``).
         eos_token_ids: EOS ids from the generation config (or model config), as a tuple.
         weight_bytes / kv_cache_bytes: memory held by parameters / by the KV cache.
     """
@@ -46,6 +48,7 @@ class ModelRunner:
         self.model = model
         text_cfg = model.config.get_text_config()
         self.vocab_size: int = int(model.get_output_embeddings().out_features)
+        self.input_vocab_size: int = int(model.get_input_embeddings().num_embeddings)
         self.eos_token_ids: tuple[int, ...] = _eos_token_ids(model)
         self.cache = SlotKVCache(
             num_layers=text_cfg.num_hidden_layers,
@@ -120,7 +123,7 @@ class ModelRunner:
 
         Args:
             slots: ``b`` distinct allocated slots.
-            token_ids: ``b`` non-empty lists of token ids in ``[0, vocab_size)``.
+            token_ids: ``b`` non-empty lists of token ids in ``[0, input_vocab_size)``.
             logits_dtype: dtype of the returned logits (float32 by contract; tests of a
                 float64 model pass ``torch.float64`` to see its full precision).
 
@@ -178,8 +181,8 @@ class ModelRunner:
             self._check_slot(slot)
             if not row:
                 raise ValueError(f"token_ids for slot {slot} is empty")
-            if min(row) < 0 or max(row) >= self.vocab_size:
-                raise ValueError(f"token ids for slot {slot} must be in [0, {self.vocab_size})")
+            if min(row) < 0 or max(row) >= self.input_vocab_size:
+                raise ValueError(f"token ids for slot {slot} must be in [0, {self.input_vocab_size})")
             new_len = int(self.cache.seq_lens[slot]) + len(row)
             if new_len > self.cache_cfg.max_model_len:
                 raise CapacityError(

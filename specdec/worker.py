@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from opentelemetry import trace
 
+from specdec.draft_format import draft_vocab_ids
 from specdec.errors import CapacityError
 from specdec.rejection import rejection_sample
 from specdec.runner import ModelRunner
@@ -219,23 +220,32 @@ class TargetWorker(_Worker):
 class DraftWorker(_Worker):
     """The draft model: catch-up on committed tokens, then k sampled draft tokens per request.
 
+    Draft token ids are always TARGET ids. A draft with a reduced vocabulary (FR-Spec, Zhao et
+    al. 2025; ``specdec.draft_format.draft_vocab_ids``) samples an index into its ``N`` logits,
+    mapped here to the target id; its probs are scattered into the target vocab, zero elsewhere,
+    so rejection sampling stays exact (q = 0 outside the subset).
+
     Args:
         runner: the draft model's runner.
-        target_vocab_size: pad draft probs with zeros to this vocab (None: the draft's own);
-            the draft's token ids must be a prefix of the target's (same tokenizer).
+        target_vocab_size: pad draft probs with zeros to this vocab (None: the draft's input
+            vocab); the draft's token ids must be a prefix of the target's (same tokenizer).
         seed: seeds the source of per-request seeds for unseeded requests (None: random).
 
     Raises:
-        ValueError: ``target_vocab_size`` smaller than the draft vocab.
+        ValueError: ``target_vocab_size`` smaller than the draft vocab (or than a reduced
+            vocabulary's largest id + 1).
     """
 
     def __init__(self, runner: ModelRunner, target_vocab_size: int | None = None,
                  seed: int | None = None) -> None:
         super().__init__(runner, seed)
-        self.target_vocab_size = target_vocab_size or runner.vocab_size
-        if self.target_vocab_size < runner.vocab_size:
-            raise ValueError(f"target_vocab_size={target_vocab_size} < draft vocab "
-                             f"{runner.vocab_size}")
+        self.vocab_ids = draft_vocab_ids(runner.model)           # [N] target ids, or None
+        if self.vocab_ids is not None:
+            self.vocab_ids = self.vocab_ids.to(device="cpu", dtype=torch.int64)
+        num_ids = runner.vocab_size if self.vocab_ids is None else int(self.vocab_ids.max()) + 1
+        self.target_vocab_size = target_vocab_size or max(runner.input_vocab_size, num_ids)
+        if self.target_vocab_size < num_ids:
+            raise ValueError(f"target_vocab_size={target_vocab_size} < draft vocab {num_ids}")
         self.max_model_len = runner.cache_cfg.max_model_len
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -312,7 +322,7 @@ class DraftWorker(_Worker):
         for step in range(k):
             with _tracer.start_as_current_span("draft.sample"):
                 q = logits_to_probs(last_logits.unsqueeze(1), params)[:, 0]   # [b, V_draft]
-                step_tokens = sample_from_probs(q, is_greedy, generators).tolist()
+                step_tokens = self._to_target_ids(sample_from_probs(q, is_greedy, generators))
             tokens.append(step_tokens)
             probs.append(q)
             if step < k - 1:
@@ -325,8 +335,21 @@ class DraftWorker(_Worker):
         if all(is_greedy):
             return draft_ids, None
         q_all = torch.stack(probs, dim=1).float()                          # [b, k, V_draft]
-        pad = self.target_vocab_size - q_all.shape[-1]
-        return draft_ids, torch.nn.functional.pad(q_all, (0, pad)) if pad else q_all
+        return draft_ids, self._to_target_probs(q_all)
+
+    def _to_target_ids(self, indices: torch.Tensor) -> list[int]:
+        """Sampled draft logit indices [b] -> target token ids."""
+        if self.vocab_ids is None:
+            return indices.tolist()
+        return self.vocab_ids[indices.cpu()].tolist()
+
+    def _to_target_probs(self, q_all: torch.Tensor) -> torch.Tensor:
+        """Draft probs [b, k, V_draft] -> [b, k, target_vocab_size], zero outside the draft vocab."""
+        if self.vocab_ids is None:
+            pad = self.target_vocab_size - q_all.shape[-1]
+            return torch.nn.functional.pad(q_all, (0, pad)) if pad else q_all
+        out = q_all.new_zeros(*q_all.shape[:-1], self.target_vocab_size)
+        return out.index_copy_(-1, self.vocab_ids.to(q_all.device), q_all)
 
 
 def _merge(known: list[int], start: int, token_ids: list[int]) -> list[int]:

@@ -106,3 +106,39 @@ def test_config_validation_and_cli(tmp_path):
         distill.DistillConfig(target="t", out_dir="o", num_layers=2, init_layers=(0,))
     cfg = distill.parse_args(["--out", "d", "--init-layers", "0,5,9", "--lr", "1e-3", "--seed", "7"])
     assert cfg.init_layers == (0, 5, 9) and cfg.num_layers == 3 and cfg.lr == 1e-3 and cfg.seed == 7
+
+
+def test_frequent_token_ids_rank_response_tokens_and_keep_eos():
+    pairs = [([1, 2], [7, 7, 7, 9, 9, 4]), ([3], [9, 5, 7])]
+    assert distill.frequent_token_ids(pairs, 2).tolist() == [7, 9]
+    assert distill.frequent_token_ids(pairs, 3, always=(EOS,)).tolist() == [EOS, 7, 9]
+    assert distill.frequent_token_ids(pairs, 99).tolist() == [4, 5, 7, 9]
+
+
+def test_distill_loss_renormalises_over_a_reduced_vocab():
+    vals = torch.tensor([[3.0, 1.0, 0.5]])
+    draft_logits = torch.tensor([[1.0, 3.0]])  # draft ids: index 0 <- teacher token 2nd, 1 <- 1st
+    idx = torch.tensor([[1, 0, -1]])             # the third teacher token is outside the draft vocab
+    p = torch.softmax(torch.tensor([3.0, 1.0]), -1)
+    q = torch.softmax(torch.tensor([3.0, 1.0]), -1)
+    assert distill.distill_loss(draft_logits, vals, idx).abs() < 1e-6
+    assert float(distill.distill_loss(torch.tensor([[3.0, 1.0]]), vals, idx)) == pytest.approx(
+        float((p * (p.log() - q.flip(0).log())).sum()), rel=1e-5)
+
+
+def test_training_a_reduced_vocab_draft_lowers_the_loss(tmp_path, tiny_llama):
+    torch.manual_seed(0)
+    target = tiny_llama(num_layers=NUM_TARGET_LAYERS, seed=3)
+    cfg = _cfg(tmp_path)
+    pairs, teacher = _data(target, cfg)
+    vocab_ids = distill.frequent_token_ids(pairs, 24, always=(EOS,))
+    lut = distill.target_to_draft_index(vocab_ids, target.config.vocab_size)
+    assert torch.equal(lut[vocab_ids], torch.arange(len(vocab_ids)))
+    draft = fmt.build_draft_from_target(target, [0], vocab_ids)
+    with torch.no_grad():
+        before = float(distill.train_step(draft, pairs, teacher, "cpu", lut)[0])
+    distill.train(cfg, draft, pairs, teacher, "cpu", tag="0")
+    with torch.no_grad():
+        after = float(distill.train_step(draft, pairs, teacher, "cpu", lut)[0])
+    assert after < 0.7 * before, (before, after)
+    assert distill.top1_agreement(draft, target, pairs, "cpu", 4) > 0.0

@@ -137,3 +137,43 @@ def test_draft_config_drops_the_targets_quantization_config():
     gguf = {"quant_method": "gguf", "gguf_file": "t.gguf", "dequantize": False}
     cfg = fmt.draft_config_from_target(LlamaConfig(num_hidden_layers=4, quantization_config=gguf), 2)
     assert cfg.num_hidden_layers == 2 and getattr(cfg, "quantization_config", None) is None
+
+
+def test_reduced_draft_vocab_round_trips_and_gathers_the_target_head(tmp_path, target_dir):
+    target = LlamaForCausalLM.from_pretrained(target_dir).eval()
+    vocab_ids = torch.tensor([0, 2, 5, 9, 17, 64, 100, 127])
+    draft = fmt.build_draft_from_target(target, DRAFT_LAYERS, vocab_ids)
+    meta = fmt.DraftMeta(target=os.path.abspath(target_dir), num_layers=2, init_layers=tuple(DRAFT_LAYERS),
+                         target_fingerprint=fmt.embedding_fingerprint(target.model.embed_tokens.weight),
+                         draft_vocab_size=len(vocab_ids))
+    out = str(tmp_path / "reduced")
+    fmt.save_draft(draft, out, meta)
+    with safe_open(os.path.join(out, fmt.DRAFT_WEIGHTS_FILE), framework="pt") as f:
+        assert fmt.DRAFT_VOCAB_KEY in f.keys() and not any("lm_head" in k for k in f.keys())
+    loaded = fmt.load_draft(out, target_model=target)
+    assert torch.equal(fmt.draft_vocab_ids(loaded), vocab_ids)
+    torch.testing.assert_close(loaded.lm_head.weight, target.lm_head.weight[vocab_ids])
+    with torch.no_grad():
+        logits = loaded(input_ids=_ids()).logits
+        full = fmt.build_draft_from_target(target, DRAFT_LAYERS)(input_ids=_ids()).logits
+    assert logits.shape == (1, _ids().shape[1], len(vocab_ids))
+    torch.testing.assert_close(logits, full[..., vocab_ids])
+    assert fmt.read_meta(out).draft_vocab_size == len(vocab_ids)
+    assert fmt.draft_vocab_ids(fmt.load_draft(out)) is not None  # target read from its dir
+
+
+@pytest.mark.parametrize("bad", [[], [3, 3], [0, 128], [-1, 4]])
+def test_reduced_draft_vocab_rejects_bad_ids(target_dir, bad):
+    target = LlamaForCausalLM.from_pretrained(target_dir)
+    with pytest.raises(ValueError, match="vocab_ids"):
+        fmt.build_draft_from_target(target, [0], torch.tensor(bad, dtype=torch.int64))
+
+
+def test_meta_and_weights_must_agree_on_the_draft_vocab(tmp_path, target_dir):
+    target = LlamaForCausalLM.from_pretrained(target_dir)
+    draft = fmt.build_draft_from_target(target, [0], torch.tensor([1, 2, 3]))
+    meta = fmt.DraftMeta(target=target_dir, num_layers=1, init_layers=(0,), target_fingerprint={})
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        fmt.save_draft(draft, str(tmp_path / "d"), meta)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        fmt.DraftMeta(target="t", num_layers=1, init_layers=(0,), target_fingerprint={}, draft_vocab_size=0)

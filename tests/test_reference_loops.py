@@ -39,6 +39,10 @@ def _workers(tiny_llama, draft_kind, max_num_seqs=4, seed=0, max_model_len=64, *
         draft_model = tiny_llama(dtype=torch.float64, **model_kwargs)
     elif draft_kind == "layer":       # the first target layer, sharing its embeddings
         draft_model = build_draft_from_target(target.runner.model, [0])
+    elif draft_kind == "subset":      # the first target layer with a reduced vocabulary (FR-Spec)
+        vocab_size = target_model.config.vocab_size
+        vocab_ids = torch.arange(0, vocab_size, 2) if vocab_size > 8 else torch.tensor([0, 2, 3, 5, 6])
+        draft_model = build_draft_from_target(target.runner.model, [0], vocab_ids)
     else:                             # an unrelated model: low acceptance
         draft_model = tiny_llama(dtype=torch.float64, **{**model_kwargs, "num_layers": 1,
                                                          "seed": 7})
@@ -56,7 +60,7 @@ def _run(tiny_llama, mode, draft_kind, prompts, params, k=3, max_num_seqs=4, **m
     return requests, stats
 
 
-@pytest.mark.parametrize("draft_kind", ["layer", "other", "same"])
+@pytest.mark.parametrize("draft_kind", ["layer", "other", "same", "subset"])
 def test_greedy_sd_and_psd_equal_ar(tiny_llama, draft_kind):
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     ar, ar_stats = _run(tiny_llama, "ar", None, PROMPTS, params)
@@ -86,14 +90,16 @@ def _tv(a, b):
     return 0.5 * float((a - b).abs().sum())
 
 
-def test_sampled_sd_first_two_tokens_follow_the_target(tiny_llama):
+@pytest.mark.parametrize("draft_kind", ["other", "subset"])
+def test_sampled_sd_first_two_tokens_follow_the_target(tiny_llama, draft_kind):
     vocab_size, num_samples, prompt = 8, 3000, [1, 5, 3]
     exact = _exact_first_two(tiny_llama, prompt, vocab_size)
     params = [SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=s)
               for s in range(num_samples)]
     hist = {}
-    for mode in ("ar", "sd", "psd"):
-        requests, stats = _run(tiny_llama, mode, "other", [prompt] * num_samples, params, k=2,
+    # the subset draft (5 of 8 ids: q = 0 on 1, 4, 7) needs the recovered tokens to reach them
+    for mode in ("ar", "sd", "psd") if draft_kind == "other" else ("sd",):
+        requests, stats = _run(tiny_llama, mode, draft_kind, [prompt] * num_samples, params, k=2,
                                max_num_seqs=64, vocab_size=vocab_size)
         counts = torch.zeros(vocab_size, vocab_size, dtype=torch.float64)
         for r in requests:
@@ -101,10 +107,13 @@ def test_sampled_sd_first_two_tokens_follow_the_target(tiny_llama):
         hist[mode] = counts / num_samples
         if mode != "ar":
             assert stats.num_drafts > 0
-    draft_joint = _exact_first_two(lambda **kw: tiny_llama(**{**kw, "num_layers": 1, "seed": 7}),
-                                   prompt, vocab_size)
-    # The draft's own law is far off, so only correct rejection sampling lands near the target.
-    assert _tv(draft_joint, exact) > 0.3
+    if draft_kind == "other":
+        draft_joint = _exact_first_two(lambda **kw: tiny_llama(**{**kw, "num_layers": 1, "seed": 7}),
+                                       prompt, vocab_size)
+        # The draft's own law is far off, so only correct rejection sampling lands near the target.
+        assert _tv(draft_joint, exact) > 0.3
+    else:  # the target puts real mass on the first token outside the draft's vocabulary
+        assert float(exact.sum(1)[[1, 4, 7]].sum()) > 0.1
     for mode, h in hist.items():
         assert _tv(h, exact) < 0.06, mode
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specdec.config import CacheConfig, ModelConfig
+from specdec.draft_format import build_draft_from_target
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams
 from specdec.worker import DraftCapacityError, DraftWorker, TargetWorker
@@ -140,6 +141,34 @@ def test_draft_probs_padded_and_sampled_from_q(tiny_llama):
         assert probs[0, step, token] > 0
     for step, token in enumerate(tokens[1]):
         assert probs[1, step, token] == 1.0
+
+
+def test_reduced_vocab_draft_returns_target_ids_and_probs_zero_outside(tiny_llama):
+    target = tiny_llama(dtype=torch.float64)
+    vocab_ids = torch.arange(3, 128, 4)                       # 32 of the 128 target ids
+    model = build_draft_from_target(target, [0], vocab_ids)
+    draft = DraftWorker(ModelRunner(ModelConfig(dtype="float64"), CacheConfig(max_num_seqs=4, max_model_len=128),
+                                    model=model))
+    assert draft.runner.vocab_size == 32 and draft.target_vocab_size == 128
+    draft.add_request("s", PROMPTS[0], SamplingParams(temperature=1.0, seed=2))
+    draft.add_request("g", PROMPTS[2], GREEDY)
+    tokens, probs = draft.draft(["s", "g"], [(5, [4]), (8, [4])], k=3)
+    assert probs.shape == (2, 3, 128) and probs.dtype == torch.float32
+    outside = torch.ones(128, dtype=torch.bool)
+    outside[vocab_ids] = False
+    assert torch.all(probs[:, :, outside] == 0)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 3))
+    allowed = set(vocab_ids.tolist())
+    for row, request_tokens in enumerate(tokens):
+        for step, token in enumerate(request_tokens):
+            assert token in allowed and probs[row, step, token] > 0
+    # greedy: the argmax within the subset, mapped to the target id, along the greedy sequence
+    sequence = PROMPTS[2] + [4]
+    with torch.no_grad():
+        for token in tokens[1]:
+            logits = model(input_ids=torch.tensor([sequence])).logits[0, -1]
+            assert token == int(vocab_ids[logits.argmax()])
+            sequence.append(token)
 
 
 def test_draft_capacity_error_before_state_change(tiny_llama):
