@@ -11,7 +11,6 @@ also get PR_SET_PDEATHSIG, so they are killed if the launcher itself is killed: 
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -23,11 +22,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.capacity import GIB, check_fits, model_footprint
+from minedraft.child_exec import NO_CPUS
 from minedraft.stack import ServiceSpec, StackConfig, build_service_specs, resolve_draft_dir
 
 POLL_S = 0.25
 NUM_LOG_TAIL_LINES = 40
-PR_SET_PDEATHSIG = 1
 
 
 class StackError(RuntimeError):
@@ -68,14 +67,6 @@ def check_memory(cfg: StackConfig, model_dir: str, log=print) -> None:
         return
     total = check_fits(footprints)
     log(f"memory: {total / GIB:.2f} GiB for weights and KV caches ({', '.join(name for name, _ in dirs)})")
-
-
-def _child_setup(cpus: tuple[int, ...]) -> None:
-    """Runs in the child before exec: die with the launcher, own CPU cores."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if cpus:
-        os.sched_setaffinity(0, cpus)
 
 
 def health_status(address: str, timeout_s: float = 2.0) -> int | None:
@@ -139,9 +130,11 @@ class Stack:
         log_path = os.path.join(self.run_dir, f"{spec.name}.log")
         env = {**os.environ, **spec.env}
         with open(log_path, "ab") as log_file:
-            process = subprocess.Popen(spec.argv, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                       stdin=subprocess.DEVNULL, start_new_session=True,
-                                       preexec_fn=lambda: _child_setup(spec.cpus))
+            # die with the launcher and own CPU cores: set by a shim, not a preexec_fn (minedraft.child_exec)
+            cpus = ",".join(map(str, spec.cpus)) or NO_CPUS
+            argv = [sys.executable, "-m", "minedraft.child_exec", cpus, "--", *spec.argv]
+            process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                       stdin=subprocess.DEVNULL, start_new_session=True)
         return RunningService(spec, process, log_path)
 
     def _wait_serving(self, log) -> None:
@@ -179,7 +172,8 @@ class Stack:
 
     def restart(self, name: str, log=print) -> None:
         """Start service ``name`` again with its original command line (same port, same log file,
-        appended) after it exited, and wait until it is SERVING.
+        appended) after it exited, and wait until it is SERVING. Call it from a thread that lives
+        as long as the stack: PR_SET_PDEATHSIG fires when the *thread* that spawned a child exits.
 
         Raises:
             StackError: it is still running, died again, or is not SERVING within ``startup_timeout_s``.
