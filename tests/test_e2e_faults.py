@@ -178,7 +178,7 @@ def _greedy_batch(stack: Stack, max_tokens: int) -> list:
 
 
 def test_drafter_killed_mid_run_falls_back_to_ar_and_a_restart_resumes_speculation(stack):
-    max_tokens = 300
+    max_tokens = 200
     before = _greedy_batch(stack, max_tokens)
     expected = [r.token_ids for r in before]
     with ThreadPoolExecutor(1) as pool:
