@@ -512,3 +512,24 @@ def test_main_serves_health_after_engines_and_drains_on_sigterm() -> None:
                 await server.stop(None)
 
     asyncio.run(main())
+
+
+def test_requests_without_room_for_drafts_run_without_speculation_alone() -> None:
+    """Draft window 12 tokens: a 14-token prompt never reaches the drafter, a short request stops
+    speculating once committed + k - 1 > 12; outputs stay exact and the drafter stays in use."""
+    from coordinator.context_window import ContextLimits
+
+    async def main():
+        async with Harness(mode="psd", max_num_seqs=2, num_speculative_tokens=3) as h:
+            h.scheduler.limits = ContextLimits(verifier_max_model_len=0, drafter_max_model_len=12)
+            work = [("long", list(range(3, 17)), {"max_tokens": 10}), ("short", [3, 4], {"max_tokens": 20}),
+                    ("other", [5, 6], {"max_tokens": 6})]
+            results = await asyncio.gather(*(h.generate(rid, p, **s) for rid, p, s in work))
+            for (rid, prompt, sampling), (tokens, reason, _) in zip(work, results):
+                assert reason in ("stop", "length") and tokens == _expected(prompt, sampling), rid
+            assert "long" not in h.drafter.last_drafts
+            num_known, drafts = h.drafter.last_drafts["short"]
+            assert num_known + len(drafts) - 1 <= 12
+            assert h.scheduler.is_drafter_available and h.scheduler.totals.num_draft_tokens > 0
+
+    asyncio.run(main())
