@@ -4,7 +4,8 @@ One ``psd`` stack of real processes whose draft model *is* the target (a tiny ra
 at temperature 0 every draft token is accepted: each step commits a block of k + 1 tokens and
 finishing rules are exercised inside accepted blocks. The failure tests run last in the module
 (they kill processes): the coordinator killed mid-stream (the gateway ends the stream with
-UNAVAILABLE; a restarted coordinator frees the orphaned KV slots), the drafter killed mid-run (``ar`` fallback, identical greedy output, then
+UNAVAILABLE; a restarted coordinator frees the orphaned KV slots), SIGTERM to the coordinator
+(in-flight requests finish within the grace period), the drafter killed mid-run (``ar`` fallback, identical greedy output, then
 a restart on the same port resumes speculation), and the verifier killed (in-flight and new
 requests fail fast with UNAVAILABLE; coordinator and gateway readiness go NOT_SERVING).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -166,6 +168,22 @@ def test_coordinator_killed_mid_stream_ends_the_stream_with_unavailable_and_a_re
     for info in _wait_slots_free(cfg):  # the new coordinator released the orphan's KV slots
         assert info.num_free_slots == info.max_num_seqs and not info.request_ids
     assert _generate(stack, PROMPT_IDS[1], max_tokens=8, temperature=0, ignore_eos=True).finish_reason == "length"
+
+
+def test_sigterm_drains_in_flight_requests_within_the_grace_period(stack):
+    cfg = stack.cfg
+    with ThreadPoolExecutor(2) as pool:
+        calls = [pool.submit(_generate, stack, PROMPT_IDS[i], max_tokens=60, temperature=0, ignore_eos=True)
+                 for i in range(2)]
+        deadline = time.monotonic() + 60
+        while _status(cfg).num_running < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stack.kill("coordinator", signal.SIGTERM)
+        results = [call.result(timeout=30) for call in calls]
+    assert [(r.finish_reason, len(r.token_ids)) for r in results] == [("length", 60)] * 2  # finished, not cut
+    assert stack.service("coordinator").process.wait(timeout=15) == 0  # grace 5 s + exit
+    stack.restart("coordinator", log=lambda line: None)
+    assert _generate(stack, PROMPT_IDS[1], max_tokens=4, temperature=0, ignore_eos=True).finish_reason == "length"
 
 
 def _greedy_batch(stack: Stack, max_tokens: int) -> list:
