@@ -21,7 +21,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from minedraft.client import GenerationError, MineDraftClient
+from minedraft.client import GenerationError, MineDraftClient, build_request
 from minedraft.launcher import Stack, health_status
 from minedraft.v1 import engine_pb2, engine_pb2_grpc
 from test_e2e_stack import _config, _status, _wait_slots_free
@@ -135,6 +135,28 @@ def test_a_request_filling_the_context_window_finishes_without_pushing_others_to
     assert status.is_drafter_available and status.num_draft_tokens > drafted_before
     base = _generate(stack, prompt, max_tokens=40, temperature=0, ignore_eos=True)
     assert full.token_ids[:40] == base.token_ids
+
+
+def test_abort_mid_stream_then_the_same_request_id_at_once_is_unaffected(stack):
+    """Issue 5 point 4: an aborted request frees its slots and batch place (balance back to the
+    size difference), its in-flight drafts are dropped, and a new request reusing its id right
+    after gets exactly the output it would have had on an idle stack."""
+    expected = _generate(stack, PROMPT_IDS[2], max_tokens=32, temperature=0, ignore_eos=True).token_ids
+    request = build_request(prompt_token_ids=PROMPT_IDS[0], max_tokens=MAX_MODEL_LEN - 10, temperature=0,
+                            ignore_eos=True, request_id="reused-id")
+    with _client(stack) as client:
+        responses = client.stream(request)
+        next(responses)  # the first chunk: the request is running in both batches' rotation
+        next(responses)
+        assert client.abort("reused-id")
+        responses.close()
+        again = client.generate(prompt_token_ids=PROMPT_IDS[2], max_tokens=32, temperature=0, ignore_eos=True,
+                                request_id="reused-id")
+    assert again.token_ids == expected and again.finish_reason == "length"
+    for info in _wait_slots_free(stack.cfg):
+        assert info.num_free_slots == info.max_num_seqs and not info.request_ids
+    status = _status(stack.cfg)
+    assert list(status.batch_sizes) in ([0, 0], []) and status.balance == 0 and status.num_running == 0
 
 
 def test_client_deadline_gives_deadline_exceeded_and_frees_the_slots(stack):
