@@ -14,13 +14,13 @@ import os
 
 from minedraft import telemetry
 from minedraft.serving import ServerOptions, build_server, serve_until_signal
-from minedraft.v1 import generate_pb2_grpc
 
 from gateway.auth import ApiKeyInterceptor
 from gateway.config import DEFAULT_COORDINATOR, DEFAULT_HTTP_PORT, DEFAULT_MODEL_NAME, DEFAULT_PORT, GatewayConfig
 from gateway.http_server import HttpServer
 from gateway.server import SERVICE_NAME, GatewayServicer, mirror_coordinator_health
 from gateway.tokenizer import PromptTokenizer
+from gateway.wire import add_gateway_servicer
 
 logger = logging.getLogger("gateway")
 
@@ -59,7 +59,7 @@ async def serve(cfg: GatewayConfig) -> None:
     server, health, port = await build_server([SERVICE_NAME], ServerOptions(host=cfg.host, port=cfg.port),
                                               interceptors)
     servicer = GatewayServicer(cfg, tokenizer)
-    generate_pb2_grpc.add_MineDraftServicer_to_server(servicer, server)
+    add_gateway_servicer(servicer, server)  # malformed bodies -> INVALID_ARGUMENT (gateway.wire)
     await server.start()
     logger.info("gateway listening on %s:%d (coordinator %s, model %s)", cfg.host, port, cfg.coordinator, cfg.model_name)
     http = HttpServer(cfg, servicer, health) if cfg.http_port else None

@@ -23,6 +23,7 @@ from gateway.output import RequestOutput
 from gateway.tokenizer import PromptTokenizer
 from gateway.tracing import traced_generate
 from gateway.validation import InvalidRequestError, PreparedRequest, prepare_request
+from gateway.wire import MalformedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
             self._in_flight.discard(request_id)
 
     async def Generate(self, request, context):
+        await _refuse_malformed(request, context)
         try:
             prepared = self.prepare(request)
         except InvalidRequestError as exc:
@@ -151,6 +153,7 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
         yield generate_pb2.GenerateResponse(request_id=request_id, complete=output.complete(finish_reason, usage))
 
     async def Abort(self, request, context):
+        await _refuse_malformed(request, context)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
         if request.request_id not in self._in_flight:
@@ -158,9 +161,16 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
         return common_pb2.AbortResponse(found=await self._abort_at_coordinator(request.request_id))
 
     async def ListModels(self, request, context):
+        await _refuse_malformed(request, context)
         card = generate_pb2.ModelCard(id=self._cfg.model_name, draft=self._cfg.draft_name,
                                       max_model_len=self._cfg.max_model_len)
         return generate_pb2.ListModelsResponse(models=[card])
+
+
+async def _refuse_malformed(request, context) -> None:
+    """INVALID_ARGUMENT for a body that did not parse (``gateway.wire.MalformedRequest``)."""
+    if isinstance(request, MalformedRequest):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message())
 
 
 def _error(request_id: str, code: grpc.StatusCode, message: str) -> generate_pb2.GenerateResponse:

@@ -331,3 +331,22 @@ def test_concurrent_text_and_chat_requests_keep_their_special_token_handling(cli
     for sent in (r for r in fake.requests if r.request_id.startswith("cc-")):
         is_chat = int(sent.request_id[3:]) % 2 == 1
         assert (im_start in sent.prompt_token_ids) == is_chat, sent.request_id
+
+
+@pytest.mark.parametrize("method,body", [
+    ("Generate", bytes([0x1A, 2, 0xFF, 0xFE])),       # field 3 (prompt): invalid UTF-8
+    ("Generate", bytes([0x0A, 5, 0x61])),             # field 1 (request_id): truncated
+    ("Abort", bytes([0x0A, 1, 0xC3])),                # request_id: a cut multi-byte character
+])
+def test_malformed_body_is_invalid_argument_and_the_gateway_keeps_serving(client, stack, method, body):
+    _, port = stack
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = (channel.unary_stream if method == "Generate" else channel.unary_unary)(
+            f"/minedraft.v1.MineDraft/{method}", request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            response = call(body, timeout=10)
+            list(response) if method == "Generate" else response
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    if "UTF-8" in info.value.details():
+        assert "prompt" in info.value.details() and "request_id" in info.value.details()
+    assert [m.id for m in client.list_models()] == [MODEL_NAME]  # nothing else broke
