@@ -350,3 +350,13 @@ def test_malformed_body_is_invalid_argument_and_the_gateway_keeps_serving(client
     if "UTF-8" in info.value.details():
         assert "prompt" in info.value.details() and "request_id" in info.value.details()
     assert [m.id for m in client.list_models()] == [MODEL_NAME]  # nothing else broke
+
+
+def test_message_over_the_size_limit_is_refused_and_the_gateway_keeps_serving(client, stack):
+    """gRPC's own limit (64 MiB, minedraft.serving) answers RESOURCE_EXHAUSTED before any parsing."""
+    _, port = stack
+    with MineDraftClient(f"127.0.0.1:{port}", timeout_s=30) as big_client:
+        with pytest.raises(grpc.RpcError) as info:
+            big_client.generate(prompt="x" * (65 * 1024 * 1024), max_tokens=1)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert [m.id for m in client.list_models()] == [MODEL_NAME]
