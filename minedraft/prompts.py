@@ -151,11 +151,22 @@ def format_metrics(metrics: dict) -> str:
                      for key, value in metrics.items())
 
 
+def _strict(value):
+    """``value`` with every NaN float replaced by None (strict JSON has no NaN)."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _strict(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(item) for item in value]
+    return value
+
+
 def write_json(path: str, payload) -> None:
-    """Writes ``payload`` as indented JSON, creating parent directories."""
+    """Writes ``payload`` as indented strict JSON (NaN -> null), creating parent directories."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=2)
+        json.dump(_strict(payload), f, indent=2, allow_nan=False)
         f.write("\n")
 
 

@@ -101,3 +101,12 @@ def test_cli_rejects_bad_values_and_stays_torch_free(capsys):
     code = ("import sys, minedraft.cli, minedraft.launcher, minedraft.prompts, minedraft.demo, minedraft.client; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_results_json_is_strict_json(tmp_path):
+    from minedraft.prompts import write_json
+
+    path = tmp_path / "r" / "results.json"
+    write_json(str(path), {"ar": {"acceptance_rate": math.nan, "tok_s": 1.5, "xs": [math.nan, 2]}})
+    assert json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict {c}")) == {
+        "ar": {"acceptance_rate": None, "tok_s": 1.5, "xs": [None, 2]}}
