@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -95,6 +96,18 @@ class StackConfig:
     def num_engine_slots(self) -> int:
         """KV slots per engine: 2m (PSD's two batches; the same budget for every mode)."""
         return 2 * self.max_num_seqs
+
+
+def free_loopback_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 right now (for test and soak stacks)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -36,7 +35,7 @@ import grpc
 
 from minedraft.client import AsyncMineDraftClient, GenerationError, build_request
 from minedraft.launcher import Stack, resolve_model_dir
-from minedraft.stack import StackConfig
+from minedraft.stack import StackConfig, free_loopback_ports as free_ports
 from minedraft.v1 import coordinator_pb2, coordinator_pb2_grpc, engine_pb2, engine_pb2_grpc
 
 PROMPTS = ["Why is the sky blue?", "Write a haiku about rain.", "List three prime numbers.",
@@ -66,17 +65,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.num_requests < 1 or a.concurrency < 1 or not 0 <= a.abort_fraction <= 1 or not 1 <= a.min_tokens <= a.max_tokens:
         p.error("need num_requests >= 1, concurrency >= 1, abort_fraction in [0, 1], 1 <= min_tokens <= max_tokens")
     return a
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def build_tiny_models(work_dir: str) -> tuple[str, str]:

@@ -11,7 +11,6 @@ and leaves no process behind.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,7 @@ from grpc_health.v1 import health_pb2
 
 from minedraft.client import GenerationResult, MineDraftClient, build_request
 from minedraft.launcher import Stack, StackError, health_status
-from minedraft.stack import StackConfig
+from minedraft.stack import StackConfig, free_loopback_ports as _free_ports
 from minedraft.v1 import coordinator_pb2, coordinator_pb2_grpc, engine_pb2, engine_pb2_grpc
 
 M = 2  # max_num_seqs: requests per batch; psd runs 2m
@@ -52,17 +51,6 @@ def model_dirs(tmp_path_factory):
         tokenizer.save_pretrained(path)
         dirs.append(path)
     return tuple(dirs)
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _config(mode: str, target: str, draft: str, runs_dir: str) -> StackConfig:
