@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from minedraft.placement import DEVICES, NO_GPU, default_dtype, parse_gpu_list
 from minedraft.stack import DATA_PLANES, DEFAULT_TARGET, MODES, StackConfig
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
@@ -24,7 +25,15 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="", help="draft dir (default: drafts/smollm2-135m-instruct if present, "
                                                "else the target's first 4 layers, untrained)")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens per request")
-    p.add_argument("--dtype", default="float32", help="engine parameter / KV dtype")
+    p.add_argument("--dtype", default=None, help="engine parameter / KV dtype (default: float32 on cpu, "
+                                                 "bfloat16 on cuda)")
+    p.add_argument("--device", choices=DEVICES, default="cpu", help="where the engines run")
+    p.add_argument("--verifier-gpus", default="", help="cuda: GPU index per verifier TP rank, e.g. 0 or 0,1 "
+                                                        "(default 0..tp-1)")
+    p.add_argument("--drafter-gpu", type=int, default=NO_GPU, help="cuda: the drafter's GPU (default: tp)")
+    p.add_argument("--bench-fixed-acceptance", type=float, default=None, metavar="P",
+                   help="BENCHMARK-ONLY: the verifier accepts each draft token with probability P instead of "
+                        "rejection sampling (changes the output distribution; for random:<preset> models)")
     p.add_argument("--no-pin", action="store_true", help="do not pin verifier/drafter to cores 0/1")
     p.add_argument("--host", default="127.0.0.1", help="address every service binds")
     p.add_argument("--port", type=int, default=50051, help="gateway port (coordinator, drafter, verifier: +1, +2, +3)")
@@ -39,7 +48,10 @@ def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
     """StackConfig from the ``up`` flags (raises ValueError naming a bad field)."""
     return StackConfig(mode=mode, num_speculative_tokens=args.k, max_num_seqs=args.max_num_seqs,
                        tensor_parallel_size=args.tp, data_plane=args.data_plane, target=args.target,
-                       draft=args.draft, max_model_len=args.max_model_len, dtype=args.dtype,
+                       draft=args.draft, max_model_len=args.max_model_len,
+                       dtype=args.dtype or default_dtype(args.device), device=args.device,
+                       verifier_gpus=parse_gpu_list(args.verifier_gpus), drafter_gpu=args.drafter_gpu,
+                       bench_fixed_acceptance=args.bench_fixed_acceptance,
                        is_pinned=not args.no_pin, host=args.host, gateway_port=args.port, http_port=args.http_port,
                        coordinator_port=args.port + 1, drafter_port=args.port + 2, verifier_port=args.port + 3,
                        runs_dir=args.runs_dir, startup_timeout_s=args.startup_timeout,

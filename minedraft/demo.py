@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
+from minedraft.bench_only import fixed_acceptance_label
 from minedraft.launcher import Stack, resolve_model_dir
 from minedraft.prompts import PromptsConfig, format_metrics, results_as_records, run_prompts, write_json
 from minedraft.stack import StackConfig
@@ -64,12 +65,18 @@ def run_demo(args, stack_cfgs: list[StackConfig]) -> int:
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    if "ar" in outputs and args.temperature == 0:
+    cfg = stack_cfgs[0]
+    if "ar" in outputs and args.temperature == 0 and cfg.bench_fixed_acceptance is None:
         for mode, records in outputs.items():
             by_mode[mode]["num_outputs_equal_to_ar"] = _num_equal_outputs(records, outputs["ar"])
     config = {"limit": args.limit, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
               "temperature": args.temperature, "k": args.k, "max_num_seqs": args.max_num_seqs,
-              "target": args.target, "draft": args.draft or "(default)", "cpu_count": os.cpu_count()}
+              "target": args.target, "draft": args.draft or "(default)", "cpu_count": os.cpu_count(),
+              "device": cfg.device, "dtype": cfg.dtype, "verifier_gpus": list(cfg.placement.resolved_verifier_gpus),
+              "drafter_gpu": cfg.placement.resolved_drafter_gpu}
+    if cfg.bench_fixed_acceptance is not None:  # BENCHMARK-ONLY: every output says so
+        config["benchmark_only"] = fixed_acceptance_label(cfg.bench_fixed_acceptance)
+        print(f"\n*** {config['benchmark_only']}: acceptance is fixed, outputs are not the target's ***")
     write_json(os.path.join(args.out_dir, "results.json"), {"config": config, "modes": by_mode})
     print("\n" + format_table(by_mode))
     print(f"\nresults: {os.path.join(args.out_dir, 'results.json')}")

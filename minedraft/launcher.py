@@ -58,6 +58,9 @@ def check_memory(cfg: StackConfig, model_dir: str, log=print) -> None:
     Raises:
         InsufficientMemoryError: the configuration cannot fit.
     """
+    if cfg.placement.is_cuda:  # weights and KV caches live on the GPUs, not in this host's memory
+        log("memory check skipped: engines on cuda")
+        return
     dirs = [("target", model_dir)] + ([("draft", resolve_draft_dir(cfg, model_dir))] if cfg.has_drafter else [])
     try:
         footprints = [model_footprint(name, path, cfg.dtype, cfg.num_engine_slots, cfg.max_model_len)

@@ -13,6 +13,9 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from minedraft.bench_only import check_acceptance_prob, fixed_acceptance_label
+from minedraft.placement import NO_GPU, NO_GPUS, Placement
+
 MODES = ("ar", "sd", "psd")
 DATA_PLANES = ("inline", "dist")
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -43,6 +46,11 @@ class StackConfig:
         step_log: JSONL file the coordinator appends one record per step to ("" = off;
             ``minedraft timeline`` draws it).
         startup_timeout_s, stop_timeout_s: seconds to reach SERVING / to exit after SIGTERM.
+        device, verifier_gpus, drafter_gpu: engine placement (``minedraft.placement.Placement``;
+            on cuda no core pinning, each engine sees only its GPUs).
+        bench_fixed_acceptance: BENCHMARK-ONLY: the verifier accepts each draft token with this
+            probability instead of rejection sampling (``specdec.fixed_acceptance``); changes the
+            output distribution. None (default) = off.
     """
 
     mode: str = "psd"
@@ -67,6 +75,10 @@ class StackConfig:
     step_log: str = ""
     startup_timeout_s: float = 900.0
     stop_timeout_s: float = 20.0
+    device: str = "cpu"
+    verifier_gpus: tuple[int, ...] = NO_GPUS
+    drafter_gpu: int = NO_GPU
+    bench_fixed_acceptance: float | None = None
 
     def __post_init__(self) -> None:
         checks = {
@@ -86,6 +98,14 @@ class StackConfig:
         for name, (is_ok, reason) in checks.items():
             if not is_ok:
                 raise ValueError(f"{name}: {reason}, got {getattr(self, name)!r}")
+        self.placement  # validates the device flags (ValueError naming the flag)
+        if self.bench_fixed_acceptance is not None:
+            check_acceptance_prob(self.bench_fixed_acceptance)  # ValueError naming the flag
+
+    @property
+    def placement(self) -> Placement:
+        """Where the engines run (raises ValueError naming a bad device flag)."""
+        return Placement(self.device, tuple(self.verifier_gpus), self.drafter_gpu, self.tensor_parallel_size)
 
     @property
     def has_drafter(self) -> bool:
@@ -156,7 +176,8 @@ def usable_cpus() -> list[int]:
 def _pinned(cfg: StackConfig, index: int) -> tuple[int, ...]:
     """The ``index``-th usable CPU when pinning is on and there are at least two, else no pinning."""
     cpus = usable_cpus()
-    return (cpus[index],) if cfg.is_pinned and len(cpus) > DRAFTER_CPU else NO_PINNING
+    is_pinnable = cfg.is_pinned and not cfg.placement.is_cuda  # GPU hosts: no core pinning
+    return (cpus[index],) if is_pinnable and len(cpus) > DRAFTER_CPU else NO_PINNING
 
 
 def _engine_args(cfg: StackConfig, port: int, num_threads: int) -> list[str]:
@@ -171,21 +192,25 @@ def verifier_spec(cfg: StackConfig, model_dir: str) -> ServiceSpec:
     so ``ar``, ``sd`` and ``psd`` run the same target configuration and differ only in speculation.
     (Two OpenMP threads on a 2-core machine that also runs anything else slow a decode step down
     3-4x: spinning threads wait for the descheduled one.)"""
-    args = ["-m", "verifier_svc", "--model", model_dir, *_engine_args(cfg, cfg.verifier_port, 1)]
+    args = ["-m", "verifier_svc", "--model", model_dir, *_engine_args(cfg, cfg.verifier_port, 1),
+            "--device", cfg.placement.verifier_device()]
+    if cfg.bench_fixed_acceptance is not None:
+        args += ["--bench-fixed-acceptance", repr(cfg.bench_fixed_acceptance)]
+    env = cfg.placement.verifier_env()
     if cfg.tensor_parallel_size > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc-per-node={cfg.tensor_parallel_size}"]
-        return ServiceSpec("verifier", [*launcher, *args], f"{cfg.host}:{cfg.verifier_port}")
+        return ServiceSpec("verifier", [*launcher, *args], f"{cfg.host}:{cfg.verifier_port}", env=env)
     return ServiceSpec("verifier", [sys.executable, *args], f"{cfg.host}:{cfg.verifier_port}",
-                       _pinned(cfg, VERIFIER_CPU))
+                       _pinned(cfg, VERIFIER_CPU), env)
 
 
 def drafter_spec(cfg: StackConfig, model_dir: str, draft_dir: str) -> ServiceSpec:
     """Drafter: pinned to core 1 with one thread."""
     argv = [sys.executable, "-m", "drafter_svc", "--draft", draft_dir, "--model", model_dir,
-            *_engine_args(cfg, cfg.drafter_port, 1)]
+            *_engine_args(cfg, cfg.drafter_port, 1), "--device", cfg.placement.drafter_device()]
     cpus = _pinned(cfg, DRAFTER_CPU)
-    return ServiceSpec("drafter", argv, f"{cfg.host}:{cfg.drafter_port}", cpus)
+    return ServiceSpec("drafter", argv, f"{cfg.host}:{cfg.drafter_port}", cpus, cfg.placement.drafter_env())
 
 
 def coordinator_spec(cfg: StackConfig) -> ServiceSpec:
@@ -196,7 +221,7 @@ def coordinator_spec(cfg: StackConfig) -> ServiceSpec:
             "--host", cfg.host, "--port", str(cfg.coordinator_port), "--metrics-port", str(cfg.metrics_port)]
     if cfg.step_log:
         argv += ["--step-log", os.path.abspath(cfg.step_log)]
-    return ServiceSpec("coordinator", argv, f"{cfg.host}:{cfg.coordinator_port}")
+    return ServiceSpec("coordinator", argv, f"{cfg.host}:{cfg.coordinator_port}", env=cfg.placement.torch_free_env())
 
 
 def gateway_spec(cfg: StackConfig, model_dir: str, draft_name: str) -> ServiceSpec:
@@ -205,7 +230,7 @@ def gateway_spec(cfg: StackConfig, model_dir: str, draft_name: str) -> ServiceSp
             "--port", str(cfg.gateway_port), "--model-name", os.path.basename(os.path.normpath(cfg.target)),
             "--draft-name", draft_name, "--max-model-len", str(cfg.max_model_len),
             "--http-port", str(cfg.http_port)]
-    return ServiceSpec("gateway", argv, f"{cfg.host}:{cfg.gateway_port}")
+    return ServiceSpec("gateway", argv, f"{cfg.host}:{cfg.gateway_port}", env=cfg.placement.torch_free_env())
 
 
 def build_service_specs(cfg: StackConfig, model_dir: str) -> list[ServiceSpec]:
@@ -215,6 +240,8 @@ def build_service_specs(cfg: StackConfig, model_dir: str) -> list[ServiceSpec]:
     if cfg.has_drafter:
         draft_dir = resolve_draft_dir(cfg, model_dir)
         draft_name = os.path.basename(os.path.normpath(draft_dir))
+        if cfg.bench_fixed_acceptance is not None:  # ListModels shows the benchmark-only label
+            draft_name += f" [{fixed_acceptance_label(cfg.bench_fixed_acceptance)}]"
         specs.append(drafter_spec(cfg, model_dir, draft_dir))
     specs += [coordinator_spec(cfg), gateway_spec(cfg, model_dir, draft_name)]
     return specs

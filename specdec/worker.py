@@ -27,6 +27,7 @@ from opentelemetry import trace
 
 from specdec.draft_format import draft_vocab_ids
 from specdec.errors import CapacityError
+from specdec.fixed_acceptance import FixedAcceptance, fixed_acceptance_sample
 from specdec.rejection import rejection_sample
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample_from_probs
@@ -142,10 +143,16 @@ class TargetWorker(_Worker):
     Args:
         runner: the target model's runner (one per worker).
         seed: seeds the source of per-request seeds for unseeded requests (None: random).
+        fixed_acceptance: BENCHMARK-ONLY: accept each draft token with a fixed probability
+            instead of rejection sampling (``specdec.fixed_acceptance``; changes the output
+            distribution). None (default): the exact rejection sampler.
     """
 
-    def __init__(self, runner: ModelRunner, seed: int | None = None) -> None:
+    def __init__(self, runner: ModelRunner, seed: int | None = None,
+                 fixed_acceptance: FixedAcceptance | None = None) -> None:
         super().__init__(runner, seed)
+        self.fixed_acceptance = fixed_acceptance
+        self._bench_generator = None if fixed_acceptance is None else fixed_acceptance.make_generator()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> StepOutput:
@@ -194,13 +201,17 @@ class TargetWorker(_Worker):
             logits = self.runner.forward(slots, fed)[:, : k + 1]            # [b, k + 1, V]
         with _tracer.start_as_current_span("target.rejection_sample"):
             target_probs = logits_to_probs(logits, [s.params for s in states])
-            output, num_accepted = rejection_sample(
-                torch.tensor(draft_token_ids, dtype=torch.int64).view(len(states), k),
-                None if draft_probs is None else draft_probs.to(target_probs),
-                target_probs,
-                torch.tensor([s.params.is_greedy for s in states], dtype=torch.bool),
-                [s.generator for s in states],
-            )
+            draft_ids = torch.tensor(draft_token_ids, dtype=torch.int64).view(len(states), k)
+            is_greedy = torch.tensor([s.params.is_greedy for s in states], dtype=torch.bool)
+            generators = [s.generator for s in states]
+            if self.fixed_acceptance is not None:   # BENCHMARK-ONLY: not the target's distribution
+                output, num_accepted = fixed_acceptance_sample(
+                    draft_ids, target_probs, is_greedy, generators,
+                    self.fixed_acceptance.acceptance_prob, self._bench_generator)
+            else:
+                output, num_accepted = rejection_sample(
+                    draft_ids, None if draft_probs is None else draft_probs.to(target_probs),
+                    target_probs, is_greedy, generators)
         logprobs = logits.log_softmax(dim=-1)
         return [self._commit(rid, state, kv_len, output[row], int(num_accepted[row]), logprobs[row])
                 for row, (rid, state, kv_len) in enumerate(zip(request_ids, states, kv_lens))]

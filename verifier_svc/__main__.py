@@ -30,8 +30,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2-135m-instruct",
                         help="target model: alias, HF dir, or dir/.gguf")
     parser.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
+    parser.add_argument("--bench-fixed-acceptance", type=float, default=None, metavar="P",
+                        help="BENCHMARK-ONLY: accept each draft token with probability P instead of "
+                             "rejection sampling (changes the output distribution; specdec.fixed_acceptance)")
     add_common_args(parser, DEFAULT_PORT)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.bench_fixed_acceptance is not None:
+        from minedraft.bench_only import check_acceptance_prob
+
+        try:
+            check_acceptance_prob(args.bench_fixed_acceptance)
+        except ValueError as exc:
+            parser.error(str(exc))
+    return args
 
 
 def load_engine(args: argparse.Namespace, ctx: TPContext):
@@ -47,9 +58,25 @@ def load_engine(args: argparse.Namespace, ctx: TPContext):
                             device=device, num_threads=args.num_threads)
     cache_cfg = CacheConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
     model = load_tp_model(model_cfg, ctx) if ctx.is_distributed else None
-    worker = TargetWorker(ModelRunner(model_cfg, cache_cfg, model=model), seed=args.seed)
+    worker = TargetWorker(ModelRunner(model_cfg, cache_cfg, model=model), seed=args.seed,
+                          fixed_acceptance=_fixed_acceptance(args))
     channel = CommandChannel(device) if ctx.is_distributed else None
     return VerifierEngine(worker, channel, _probs_client(args, ctx), seed=args.seed)
+
+
+def _fixed_acceptance(args: argparse.Namespace):
+    """``specdec.fixed_acceptance.FixedAcceptance`` from ``--bench-fixed-acceptance`` (None: off),
+    announced loudly: it changes the output distribution."""
+    if args.bench_fixed_acceptance is None:
+        return None
+    from minedraft.bench_only import fixed_acceptance_label
+    from specdec.fixed_acceptance import FixedAcceptance
+
+    config = FixedAcceptance(args.bench_fixed_acceptance)
+    logger.warning("%s: every draft token is accepted with probability %g, NOT by rejection sampling; "
+                   "outputs are NOT the target model's distribution", fixed_acceptance_label(config.acceptance_prob),
+                   config.acceptance_prob)
+    return config
 
 
 def _probs_client(args: argparse.Namespace, ctx: TPContext):
@@ -69,7 +96,7 @@ async def serve(args: argparse.Namespace, ctx: TPContext) -> None:
 
     server, health, port = await build_server(
         [SERVICE_NAME], ServerOptions(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes))
-    servicer = VerifierServicer(args.model, DATA_PLANE_NAMES[args.data_plane], ctx.world_size)
+    servicer = VerifierServicer(_served_name(args), DATA_PLANE_NAMES[args.data_plane], ctx.world_size)
     engine_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
     await server.start()
     logger.info("verifier listening on %s:%d (NOT_SERVING until warm-up)", args.host, port)
@@ -84,6 +111,15 @@ async def serve(args: argparse.Namespace, ctx: TPContext) -> None:
     finally:
         await servicer.executor.run(_close, engine)
         servicer.executor.shutdown()
+
+
+def _served_name(args: argparse.Namespace) -> str:
+    """``EngineInfo.model``: the model, with the benchmark-only label when fixed acceptance is on."""
+    if args.bench_fixed_acceptance is None:
+        return args.model
+    from minedraft.bench_only import fixed_acceptance_label
+
+    return f"{args.model} [{fixed_acceptance_label(args.bench_fixed_acceptance)}]"
 
 
 def _close(engine) -> None:
