@@ -32,6 +32,8 @@ import tempfile
 from specdec.config import DEFAULT_MODEL, ModelConfig
 from specdec.errors import IncompatibleDraftError
 from specdec.kv_cache import SLOT_ATTENTION_NAME
+from specdec.random_models import build_random_model, is_random_spec, read_marker
+from specdec.random_models import model_dir as random_model_dir
 
 DEFAULT_TARGET = DEFAULT_MODEL
 # alias -> (python package holding the GGUF, GGUF file name)
@@ -56,10 +58,16 @@ def cache_root() -> str:
 def resolve_model_dir(cfg: ModelConfig) -> str:
     """Local HF dir for ``cfg.model`` (alias, HF dir, or GGUF), converting a GGUF once.
 
+    A random spec ``random:<preset>[:<seed>]`` resolves to a small dir of config + tokenizer
+    (``specdec.random_models.model_dir``); ``load_model`` fills it with seeded random weights.
+
     Raises:
         FileNotFoundError: the alias's package is not installed, or the path does not exist or
             holds neither an HF model nor a GGUF file.
+        ValueError: a random spec with an unknown preset or a bad seed.
     """
+    if is_random_spec(cfg.model):
+        return random_model_dir(cfg.model)
     gguf_path = _gguf_path(cfg)
     if gguf_path is None:
         return os.path.abspath(cfg.model)
@@ -174,7 +182,9 @@ def use_slot_attention(model) -> None:
 def load_model(cfg: ModelConfig):
     """Load ``cfg.model`` in eval mode with ``cfg.dtype``/``cfg.device`` and slot attention.
 
-    Dirs with ``minedraft_draft.json`` are loaded by ``specdec.draft_format.load_draft``.
+    Dirs with ``minedraft_draft.json`` are loaded by ``specdec.draft_format.load_draft``; random
+    specs (dirs with ``minedraft_random.json``) are built with seeded random weights directly on
+    ``cfg.device`` by ``specdec.random_models.build_random_model``.
 
     Returns:
         a ``transformers.PreTrainedModel`` (causal LM).
@@ -182,6 +192,11 @@ def load_model(cfg: ModelConfig):
     from transformers import AutoModelForCausalLM
 
     model_dir = resolve_model_dir(cfg)
+    random_marker = read_marker(model_dir)
+    if random_marker is not None:
+        model = build_random_model(random_marker["spec"], cfg.torch_dtype, cfg.device)
+        use_slot_attention(model)
+        return model
     if os.path.isfile(os.path.join(model_dir, DRAFT_FORMAT_MARKER)):
         from specdec.draft_format import load_draft
 
