@@ -11,6 +11,7 @@ import asyncio
 import logging
 import sys
 
+from coordinator.adaptive import KPolicy
 from coordinator.config import DEFAULT_DRAFTER, DEFAULT_PORT, DEFAULT_VERIFIER, CoordinatorConfig, DataPlaneKind, Mode
 from coordinator.server import serve
 from minedraft import telemetry
@@ -36,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
     p.add_argument("--grace", type=float, default=5.0, help="drain seconds on SIGTERM")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics HTTP port (0 = off)")
     p.add_argument("--step-log", default="", help="append one JSON line per step to this file (minedraft timeline)")
+    p.add_argument("--k-policy", choices=[k.value for k in KPolicy], default=KPolicy.FIXED.value,
+                   help="fixed: k = --k always; adaptive: k in [1, --k] toward t_draft = t_verify (Lemma 2)")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -44,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
             mode=a.mode, num_speculative_tokens=a.k, max_num_seqs=a.max_num_seqs, drafter=a.drafter,
             verifier=a.verifier, host=a.host, port=a.port, data_plane=a.data_plane, max_queue_len=a.max_queue_len,
             drafter_retry_s=a.drafter_retry, rpc_timeout_s=a.rpc_timeout, engine_wait_s=a.engine_wait,
-            grace_s=a.grace, metrics_port=a.metrics_port, step_log=a.step_log,
+            grace_s=a.grace, metrics_port=a.metrics_port, step_log=a.step_log, k_policy=a.k_policy,
         )
     except ValueError as exc:
         p.error(str(exc))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from coordinator.adaptive import KPolicy
+
 DEFAULT_PORT = 50052
 DEFAULT_DRAFTER = "127.0.0.1:50053"
 DEFAULT_VERIFIER = "127.0.0.1:50054"
@@ -49,6 +51,9 @@ class CoordinatorConfig:
         metrics_port: port of the Prometheus ``/metrics`` HTTP endpoint; 0 = off.
         step_log: path of a JSONL file getting one record per step (``coordinator.tracing.StepLog``,
             read by ``minedraft timeline``); "" = off.
+        k_policy: ``fixed`` (k = ``num_speculative_tokens`` always) or ``adaptive`` (k in
+            [1, num_speculative_tokens] toward t_draft = t_verify, per-request switch-off;
+            ``coordinator.adaptive``).
     """
 
     mode: Mode = Mode.PSD
@@ -66,10 +71,12 @@ class CoordinatorConfig:
     grace_s: float = 5.0
     metrics_port: int = 0
     step_log: str = ""
+    k_policy: str = "fixed"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _enum_field("mode", Mode, self.mode))
         object.__setattr__(self, "data_plane", _enum_field("data_plane", DataPlaneKind, self.data_plane))
+        object.__setattr__(self, "k_policy", _enum_field("k_policy", KPolicy, self.k_policy))
         _require(self.num_speculative_tokens >= 1, "num_speculative_tokens", "must be >= 1")
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         for name in ("drafter", "verifier"):

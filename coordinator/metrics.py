@@ -84,7 +84,7 @@ class CoordinatorMetrics:
         if stats.k == 0:
             return
         self.num_drafts.inc(len(num_accepted_per_request))
-        self.num_draft_tokens.inc(stats.k * len(num_accepted_per_request))
+        self.num_draft_tokens.inc(stats.num_draft_tokens)
         self.num_accepted_tokens.inc(sum(num_accepted_per_request))
         for position in range(stats.k):
             self.num_accepted_per_pos.labels(position=str(position)).inc(

@@ -4,14 +4,7 @@ One async loop owns every engine RPC, so engine state changes only at step bound
 ``sync`` (release finished/aborted KV, probe a lost drafter) -> ``admit`` (FIFO queue, prefill on
 both engines; the verifier's first token is streamed at once = TTFT) -> ``step``.
 
-A step (nano-vllm style: schedule, run, postprocess):
-- ``ar``: verify every running request with k = 0 (plain decode).
-- ``sd``: draft k tokens for the batch, then verify it (Leviathan et al. 2023).
-- ``psd`` (MineDraft paper §5.1): the verifier verifies the batch other than ``skip_batch`` with
-  the drafts made for it at the previous step while the drafter drafts ``skip_batch``
-  (``asyncio.gather``); then tokens are committed, finished requests recycled, ``skip_batch``
-  flipped. A verify batch without drafts (first step, one batch empty, after a drafter outage)
-  is drafted first, i.e. that part falls back to ``sd``.
+A step (schedule, run, postprocess; ``ar``, ``sd``, ``psd``, adaptive k) is ``coordinator.stepping``.
 If the drafter fails, every request continues in ``ar`` on the verifier and the drafter is probed
 every ``drafter_retry_s``; on recovery the requests are re-added to it and speculation resumes
 (``coordinator.fallback``).
@@ -22,23 +15,23 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import time
 
 import grpc
 
 from minedraft.v1 import engine_pb2
 
+from coordinator.adaptive import KChooser, SpeculationStats
 from coordinator.batch_manager import BatchManager
 from coordinator.config import CoordinatorConfig, DataPlaneKind, Mode
 from coordinator.context_window import ContextLimits
 from coordinator.engines import EngineClients
 from coordinator.fallback import DrafterLink
-from coordinator.finish import FinishReason, apply_finish
+from coordinator.finish import FinishReason
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.request import RequestState, RequestStatus
-from coordinator.stats import StepStats, StepTimes, StepTotals
-from coordinator.tracing import Phase, StepLog, StepTrace, finish_step, start_step
-from opentelemetry import trace
+from coordinator.stats import StepTotals
+from coordinator.stepping import StepLoop
+from coordinator.tracing import StepLog
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +45,7 @@ class QueueFullError(Exception):
     """The waiting queue holds ``max_queue_len`` requests."""
 
 
-class Scheduler:
+class Scheduler(StepLoop):
     """Request lifecycle and step loop over a drafter and a verifier (see module docstring).
 
     Args:
@@ -79,6 +72,8 @@ class Scheduler:
         self._data_plane = _DATA_PLANE[cfg.data_plane]
         self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
         self.limits = ContextLimits()  # the engines' max_model_len; set by coordinator.server.start
+        self.spec_stats = SpeculationStats()
+        self.chooser = KChooser(cfg.k_policy, cfg.num_speculative_tokens, self.spec_stats)
 
     # ------------------------------------------------------------------ public API
     def submit(self, request: RequestState) -> None:
@@ -107,6 +102,10 @@ class Scheduler:
     def mode(self) -> Mode:
         """The mode the loop runs now (``ar`` while the drafter is unavailable)."""
         return self.cfg.mode if self.is_drafter_available else Mode.AR
+
+    def step_mode(self) -> Mode:
+        """The mode of the next step: :attr:`mode` (``ar`` while the drafter is unavailable)."""
+        return self.mode
 
     @property
     def is_drafter_available(self) -> bool:
@@ -205,155 +204,12 @@ class Scheduler:
         if self.cfg.mode == Mode.PSD:
             self.batches.assign(alive)
 
-    # ------------------------------------------------------------------ the step
-    async def step(self) -> StepStats:
-        """Run one step in the current mode and return its record (also added to ``totals``).
-        The step runs inside its ``coordinator.step`` span (``coordinator.tracing``)."""
-        self.step_id += 1
-        step_trace = start_step(self.step_id)
-        with trace.use_span(step_trace.span, end_on_exit=False):
-            try:
-                return await self._run_step(step_trace)
-            except BaseException as exc:
-                step_trace.span.record_exception(exc)
-                step_trace.span.end()
-                raise
-
-    async def _run_step(self, step_trace: StepTrace) -> StepStats:
-        start, mode, times = time.perf_counter(), self.mode, StepTimes()
-        verify_reqs, ahead_reqs = self._schedule(mode)
-        step_trace.add_requests(verify_reqs + ahead_reqs)
-        verify_batch = 1 - self.batches.skip_batch if mode == Mode.PSD else 0
-        spec_reqs = self._speculative(verify_reqs) if mode != Mode.AR else []
-        if any(r.drafts is None for r in spec_reqs):
-            await self._draft(spec_reqs, times, verify_batch)  # sd part: drafts needed before this verify
-        drafts = [r.drafts for r in spec_reqs] if spec_reqs and all(r.drafts for r in spec_reqs) else None
-        if drafts is None:
-            spec_reqs = []  # the drafter failed: everything is verified with k = 0
-        plain_reqs = [r for r in verify_reqs if r not in spec_reqs]
-        ahead_spec = self._speculative(ahead_reqs)
-        groups = [(reqs, d) for reqs, d in ((spec_reqs, drafts), (plain_reqs, None)) if reqs]
-        verify_start_s = time.time()
-        calls = [self.engines.verify(self.step_id, [r.request_id for r in reqs], d, self._data_plane)
-                 for reqs, d in groups]
-        if ahead_spec and self.mode != Mode.AR:
-            calls.append(self._draft(ahead_spec, times, 1 - verify_batch))
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        for result in results[: len(groups)]:
-            if isinstance(result, BaseException):
-                raise result
-        num_emitted, accepted = 0, []
-        for (reqs, d), (response, verify_rpc_ms) in zip(groups, results[: len(groups)]):
-            times.phases.append(Phase("verifier", verify_batch, verify_start_s, response.verify_ms, verify_rpc_ms,
-                                      len(reqs)))
-            times.verify_ms += response.verify_ms
-            times.data_plane_ms += response.data_plane_ms
-            group_emitted, group_accepted = self._postprocess(reqs, d, response)
-            num_emitted += group_emitted
-            accepted += group_accepted if d else []
-        is_parallel = mode == Mode.PSD and bool(ahead_spec) and self.mode == Mode.PSD
-        if mode == Mode.PSD and ahead_reqs:
-            self.batches.flip()
-        elif mode == Mode.PSD:
-            self.batches.mark_started()
-        return self._record(mode, verify_reqs, drafts, times, accepted, num_emitted, start, is_parallel, step_trace)
-
-    def _speculative(self, requests: list[RequestState]) -> list[RequestState]:
-        """The requests with room for k draft tokens in both engines' KV (``coordinator.context_window``)."""
-        k = self.cfg.num_speculative_tokens
-        return [r for r in requests if self.limits.can_speculate(len(r.committed), k)]
-
-    def _schedule(self, mode: Mode) -> tuple[list[RequestState], list[RequestState]]:
-        """(requests to verify now, requests to draft ahead for the next step)."""
-        if mode != Mode.PSD:
-            return list(self.running.values()), []
-        if self.batches.is_empty(1 - self.batches.skip_batch):
-            self.batches.flip()  # one batch empty: verify the other (sd fallback), newcomers draft
-        verify = [self.running[r] for r in self.batches.verify_batch()]
-        ahead = [self.running[r] for r in self.batches.draft_batch()]
-        return verify, ahead
-
-    async def _draft(self, requests: list[RequestState], times: StepTimes, batch: int) -> None:
-        """Draft for ``requests`` (PSD batch ``batch``); on a drafter failure switch to ``ar``."""
-        self._num_draft_calls += 1  # drafter step ids are unique per Draft call (dist plane key)
-        start_s = time.time()
-        try:
-            result = await self.engines.draft(self._num_draft_calls, requests, self.cfg.num_speculative_tokens,
-                                              self._data_plane)
-        except (grpc.aio.AioRpcError, ValueError) as exc:
-            self._lose_drafter(exc)
-            return
-        for request, drafts in zip(requests, result.drafts):
-            if request.status == RequestStatus.RUNNING:
-                request.drafts = drafts
-        times.draft_ms += result.draft_ms
-        times.phases.append(Phase("drafter", batch, start_s, result.draft_ms, result.wall_ms, len(requests)))
-        times.data_plane_ms += result.data_plane_ms
-        times.num_drafted += len(requests)
-
-    def _postprocess(self, verify_reqs, drafts, response: engine_pb2.VerifyResponse) -> tuple[int, list[int]]:
-        """Commit each verified request's tokens; returns (tokens emitted, accepted count per request)."""
-        outputs = {out.request_id: out for out in response.outputs}
-        k = len(drafts[0].token_ids) if drafts else 0
-        num_emitted, accepted = 0, []
-        for request in verify_reqs:
-            request.drafts = None
-            out = outputs.get(request.request_id)
-            if request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            if out is None:
-                self._retire(request, None, error=(grpc.StatusCode.INTERNAL, "verifier returned no output"))
-                continue
-            before, accepted_before = len(request.output_token_ids), request.num_accepted_tokens
-            self._commit(request, list(out.token_ids), list(out.logprobs), k, out.num_accepted,
-                         list(out.top_logprobs))
-            num_emitted += len(request.output_token_ids) - before
-            accepted.append(request.num_accepted_tokens - accepted_before)  # emitted ones only
-        return num_emitted, accepted
-
-    def _commit(self, request: RequestState, token_ids: list[int], logprobs: list[float], k: int,
-                num_accepted: int, top_logprobs: list = ()) -> bool:
-        """Apply finish rules to a committed block, stream it; returns True if still running.
-        ``top_logprobs``: one ``common_pb2.TopLogprobs`` per token when the request asked for them."""
-        emitted, reason = apply_finish(token_ids, len(request.output_token_ids), request.finish_params,
-                                       self.eos_token_ids)
-        num_accepted_emitted = min(num_accepted, len(emitted))
-        request.output_token_ids += emitted
-        request.num_draft_tokens += k
-        request.num_accepted_tokens += num_accepted_emitted
-        request.num_drafts += int(k > 0)
-        if emitted:
-            request.send_chunk(emitted, logprobs[: len(emitted)], k, num_accepted_emitted,
-                               top_logprobs[: len(emitted)])
-        if reason is not None:
-            self._retire(request, reason)
-        return reason is None
-
-    def _record(self, mode, verify_reqs, drafts, times, accepted, num_emitted, start, is_parallel,
-                step_trace: StepTrace) -> StepStats:
-        k = len(drafts[0].token_ids) if drafts else 0
-        wall_ms = (time.perf_counter() - start) * 1e3
-        stats = StepStats(
-            mode=str(mode), step_id=self.step_id, num_verify=len(verify_reqs), num_draft=times.num_drafted, k=k,
-            num_draft_tokens=k * len(accepted), num_accepted_tokens=sum(accepted), num_emitted_tokens=num_emitted,
-            draft_ms=times.draft_ms, verify_ms=times.verify_ms, data_plane_ms=times.data_plane_ms,
-            idle_ms=max(wall_ms - times.verify_ms, 0.0), wall_ms=wall_ms, is_parallel=is_parallel,
-        )
-        self.totals.record(stats)
-        finish_step(step_trace, stats, times.phases)
-        if self.step_log is not None:
-            self.step_log.write(step_trace, stats, times.phases)
-        self.metrics.observe_step(stats, accepted if k else [])
-        self.metrics.observe_totals(self.totals)
-        self.metrics.observe_state(self.batches.batch_sizes(), self.batches.balance, len(self.running),
-                                   len(self.waiting), self.is_drafter_available)
-        return stats
-
     # ------------------------------------------------------------------ retire, failures
     def _retire(self, request: RequestState, reason: FinishReason | None, error: tuple | None = None) -> None:
         """Remove a running request (finish or error), and queue its KV release in both engines."""
         self.running.pop(request.request_id, None)
         self.batches.recycle(request.request_id)
+        self.spec_stats.forget(request.request_id)
         self._to_release.add(request.request_id)
         if error is not None:
             code, message = error

@@ -1,0 +1,209 @@
+"""One coordinator step (nano-vllm style: schedule, run, postprocess), mixed into the Scheduler.
+
+- ``ar``: verify every running request with k = 0 (plain decode).
+- ``sd``: draft k tokens for the batch, then verify it (Leviathan et al. 2023).
+- ``psd`` (MineDraft paper §5.1): the verifier verifies the batch other than ``skip_batch`` with
+  the drafts made for it at the previous step while the drafter drafts ``skip_batch``
+  (``asyncio.gather``); then tokens are committed, finished requests recycled, ``skip_batch``
+  flipped. A verify batch without drafts (first step, one batch empty, after a drafter outage)
+  is drafted first, i.e. that part falls back to ``sd``.
+
+k per draft call comes from ``coordinator.adaptive.KChooser`` (fixed, or adaptive toward
+t_draft = t_verify); a request it leaves undrafted (k = 0) is verified in a separate Verify
+call with the requests that have no room for drafts. Every Draft/Verify time and every verified
+draft feeds ``SpeculationStats`` (the adaptive policies' online estimates).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+
+import grpc
+
+from minedraft.v1 import engine_pb2
+
+from coordinator.adaptive import NO_DRAFT
+from coordinator.config import Mode
+from coordinator.finish import apply_finish
+from coordinator.request import RequestState, RequestStatus
+from coordinator.stats import StepStats, StepTimes
+from coordinator.tracing import Phase, StepTrace, finish_step, start_step
+from opentelemetry import trace
+
+
+class StepLoop:
+    """The step of :class:`coordinator.scheduler.Scheduler` (which provides the state it uses)."""
+
+    async def step(self) -> StepStats:
+        """Run one step in the current mode and return its record (also added to ``totals``).
+        The step runs inside its ``coordinator.step`` span (``coordinator.tracing``)."""
+        self.step_id += 1
+        step_trace = start_step(self.step_id)
+        with trace.use_span(step_trace.span, end_on_exit=False):
+            try:
+                return await self._run_step(step_trace)
+            except BaseException as exc:
+                step_trace.span.record_exception(exc)
+                step_trace.span.end()
+                raise
+
+    async def _run_step(self, step_trace: StepTrace) -> StepStats:
+        start, mode, times = time.perf_counter(), self.step_mode(), StepTimes()
+        verify_reqs, ahead_reqs = self._schedule(mode)
+        step_trace.add_requests(verify_reqs + ahead_reqs)
+        verify_batch = 1 - self.batches.skip_batch if mode == Mode.PSD else 0
+        spec_reqs = await self._ensure_drafts(verify_reqs, mode, times, verify_batch)
+        groups = _verify_groups(spec_reqs, [r for r in verify_reqs if r not in spec_reqs])
+        ahead_spec = self._speculative(ahead_reqs) if mode == Mode.PSD else []
+        verify_start_s = time.time()
+        calls = [self.engines.verify(self.step_id, [r.request_id for r in reqs], d, self._data_plane)
+                 for reqs, d in groups]
+        if ahead_spec and self.mode != Mode.AR:
+            calls.append(self._draft(ahead_spec, times, 1 - verify_batch, mode))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for result in results[: len(groups)]:
+            if isinstance(result, BaseException):
+                raise result
+        num_emitted, accepted, num_spec_tokens = 0, [], []
+        for (reqs, d), (response, verify_rpc_ms) in zip(groups, results[: len(groups)]):
+            times.phases.append(Phase("verifier", verify_batch, verify_start_s, response.verify_ms, verify_rpc_ms,
+                                      len(reqs)))
+            times.verify_ms += response.verify_ms
+            times.data_plane_ms += response.data_plane_ms
+            k = len(d[0].token_ids) if d else NO_DRAFT
+            self.spec_stats.cost.observe_verify(len(reqs) * (k + 1), response.verify_ms)
+            group_emitted, group_accepted = self._postprocess(reqs, d, response)
+            num_emitted += group_emitted
+            accepted += group_accepted if d else []
+            num_spec_tokens += [k] * len(group_accepted) if d else []
+        is_parallel = mode == Mode.PSD and bool(ahead_spec) and self.mode != Mode.AR
+        if mode == Mode.PSD and ahead_reqs:
+            self.batches.flip()
+        elif mode == Mode.PSD:
+            self.batches.mark_started()
+        return self._record(mode, verify_reqs, num_spec_tokens, times, accepted, num_emitted, start, is_parallel,
+                            step_trace)
+
+    async def _ensure_drafts(self, verify_reqs: list[RequestState], mode: Mode, times: StepTimes,
+                             batch: int) -> list[RequestState]:
+        """The requests verified with drafts this step. A verify batch where a request the policy
+        wants drafted has none (sd, first psd step, newcomers, after an outage) is drafted now,
+        all of it in one Draft call (one drafter step id per Verify call)."""
+        if mode == Mode.AR or self.mode == Mode.AR:
+            return []
+        candidates = self._speculative(verify_reqs)
+        k = self.chooser.batch_k(len(candidates), mode == Mode.PSD)
+        if any(r.drafts is None and self.chooser.request_k(r.request_id, k) > 0 for r in candidates):
+            for request in candidates:
+                request.drafts = None
+            await self._draft(candidates, times, batch, mode)  # sd part: drafts needed before this verify
+        return [r for r in candidates if r.drafts is not None]
+
+    def _speculative(self, requests: list[RequestState]) -> list[RequestState]:
+        """The requests with room for k_max draft tokens in both engines' KV (``coordinator.context_window``)."""
+        k = self.cfg.num_speculative_tokens
+        return [r for r in requests if self.limits.can_speculate(len(r.committed), k)]
+
+    def _schedule(self, mode: Mode) -> tuple[list[RequestState], list[RequestState]]:
+        """(requests to verify now, requests to draft ahead for the next step)."""
+        if mode != Mode.PSD:
+            return list(self.running.values()), []
+        if self.batches.is_empty(1 - self.batches.skip_batch):
+            self.batches.flip()  # one batch empty: verify the other (sd fallback), newcomers draft
+        verify = [self.running[r] for r in self.batches.verify_batch()]
+        ahead = [self.running[r] for r in self.batches.draft_batch()]
+        return verify, ahead
+
+    async def _draft(self, requests: list[RequestState], times: StepTimes, batch: int, mode: Mode) -> None:
+        """Draft for the ``requests`` the k policy wants drafted (PSD batch ``batch``); on a
+        drafter failure switch to ``ar``."""
+        k = self.chooser.batch_k(len(requests), mode == Mode.PSD)
+        requests = [r for r in requests if self.chooser.request_k(r.request_id, k) > 0]
+        if not requests:
+            return
+        self._num_draft_calls += 1  # drafter step ids are unique per Draft call (dist plane key)
+        start_s = time.time()
+        try:
+            result = await self.engines.draft(self._num_draft_calls, requests, k, self._data_plane)
+        except (grpc.aio.AioRpcError, ValueError) as exc:
+            self._lose_drafter(exc)
+            return
+        for request, drafts in zip(requests, result.drafts):
+            if request.status == RequestStatus.RUNNING:
+                request.drafts = drafts
+        self.spec_stats.cost.observe_draft(len(requests), k, result.draft_ms)
+        times.draft_ms += result.draft_ms
+        times.phases.append(Phase("drafter", batch, start_s, result.draft_ms, result.wall_ms, len(requests)))
+        times.data_plane_ms += result.data_plane_ms
+        times.num_drafted += len(requests)
+
+    def _postprocess(self, verify_reqs, drafts, response: engine_pb2.VerifyResponse) -> tuple[int, list[int]]:
+        """Commit each verified request's tokens; returns (tokens emitted, accepted count per request)."""
+        outputs = {out.request_id: out for out in response.outputs}
+        k = len(drafts[0].token_ids) if drafts else 0
+        num_emitted, accepted = 0, []
+        for request in verify_reqs:
+            request.drafts = None
+            out = outputs.get(request.request_id)
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            if out is None:
+                self._retire(request, None, error=(grpc.StatusCode.INTERNAL, "verifier returned no output"))
+                continue
+            self.spec_stats.observe_verified(request.request_id, k, out.num_accepted)
+            before, accepted_before = len(request.output_token_ids), request.num_accepted_tokens
+            self._commit(request, list(out.token_ids), list(out.logprobs), k, out.num_accepted,
+                         list(out.top_logprobs))
+            num_emitted += len(request.output_token_ids) - before
+            accepted.append(request.num_accepted_tokens - accepted_before)  # emitted ones only
+        return num_emitted, accepted
+
+    def _commit(self, request: RequestState, token_ids: list[int], logprobs: list[float], k: int,
+                num_accepted: int, top_logprobs: list = ()) -> bool:
+        """Apply finish rules to a committed block, stream it; returns True if still running.
+        ``top_logprobs``: one ``common_pb2.TopLogprobs`` per token when the request asked for them."""
+        emitted, reason = apply_finish(token_ids, len(request.output_token_ids), request.finish_params,
+                                       self.eos_token_ids)
+        num_accepted_emitted = min(num_accepted, len(emitted))
+        request.output_token_ids += emitted
+        request.num_draft_tokens += k
+        request.num_accepted_tokens += num_accepted_emitted
+        request.num_drafts += int(k > 0)
+        if emitted:
+            request.send_chunk(emitted, logprobs[: len(emitted)], k, num_accepted_emitted,
+                               top_logprobs[: len(emitted)])
+        if reason is not None:
+            self._retire(request, reason)
+        return reason is None
+
+    def _record(self, mode, verify_reqs, num_spec_tokens: list[int], times, accepted, num_emitted, start,
+                is_parallel, step_trace: StepTrace) -> StepStats:
+        """``num_spec_tokens``: k of each verified draft (one per entry of ``accepted``)."""
+        k = max(num_spec_tokens, default=0)
+        wall_ms = (time.perf_counter() - start) * 1e3
+        stats = StepStats(
+            mode=str(mode), step_id=self.step_id, num_verify=len(verify_reqs), num_draft=times.num_drafted, k=k,
+            num_draft_tokens=sum(num_spec_tokens), num_accepted_tokens=sum(accepted), num_emitted_tokens=num_emitted,
+            draft_ms=times.draft_ms, verify_ms=times.verify_ms, data_plane_ms=times.data_plane_ms,
+            idle_ms=max(wall_ms - times.verify_ms, 0.0), wall_ms=wall_ms, is_parallel=is_parallel,
+        )
+        self.totals.record(stats)
+        finish_step(step_trace, stats, times.phases)
+        if self.step_log is not None:
+            self.step_log.write(step_trace, stats, times.phases)
+        self.metrics.observe_step(stats, accepted if k else [])
+        self.metrics.observe_totals(self.totals)
+        self.metrics.observe_state(self.batches.batch_sizes(), self.batches.balance, len(self.running),
+                                   len(self.waiting), self.is_drafter_available)
+        return stats
+
+
+def _verify_groups(spec_reqs: list[RequestState], plain_reqs: list[RequestState]) -> list[tuple[list, list | None]]:
+    """One Verify call per (k, drafter step) among the drafted requests, plus one with k = 0."""
+    by_draft: dict[tuple[int, int], list[RequestState]] = defaultdict(list)
+    for request in spec_reqs:
+        by_draft[(len(request.drafts.token_ids), request.drafts.step_id)].append(request)
+    groups: list[tuple[list, list | None]] = [(reqs, [r.drafts for r in reqs]) for reqs in by_draft.values()]
+    return groups + ([(plain_reqs, None)] if plain_reqs else [])
