@@ -25,6 +25,14 @@ class ModelConfig:
         dtype: parameter and KV-cache dtype, one of ``SUPPORTED_DTYPES``.
         device: torch device string, e.g. ``"cpu"`` or ``"cuda:0"``.
         num_threads: if set, ``torch.set_num_threads(num_threads)`` when the runner starts.
+        cuda_graphs: replay CUDA graphs captured per (batch-size bucket, tokens per row, KV-length
+            bucket) for steps of at most ``max_static_tokens`` tokens per row
+            (``specdec.cuda_graphs``). None: on iff ``device`` is CUDA. True needs a CUDA device.
+        static_shapes: run those steps through the static-shape path (buckets, device-side
+            mask and KV writes) even without graphs: the CPU twin of the graph path. None: same
+            as the resolved ``cuda_graphs``. Must not be False while graphs are on.
+        max_static_tokens: most tokens per row a static step takes (k + 1 for verify steps);
+            longer rows (prefill) run the dynamic path.
 
     Raises:
         ValueError: naming the invalid field.
@@ -35,6 +43,9 @@ class ModelConfig:
     dtype: str = "float32"
     device: str = "cpu"
     num_threads: int | None = None
+    cuda_graphs: bool | None = None
+    static_shapes: bool | None = None
+    max_static_tokens: int = 8
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -51,11 +62,30 @@ class ModelConfig:
             not isinstance(self.num_threads, int) or self.num_threads < 1
         ):
             raise ValueError(f"num_threads must be a positive int or None, got {self.num_threads!r}")
+        if self.cuda_graphs and torch.device(self.device).type != "cuda":
+            raise ValueError(f"cuda_graphs needs a CUDA device, got device={self.device!r}")
+        if self.cuda_graphs and self.static_shapes is False:
+            raise ValueError("static_shapes must not be False when cuda_graphs is True")
+        if not isinstance(self.max_static_tokens, int) or self.max_static_tokens < 1:
+            raise ValueError(f"max_static_tokens must be a positive int, got "
+                             f"{self.max_static_tokens!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         """The ``torch.dtype`` named by ``dtype``."""
         return SUPPORTED_DTYPES[self.dtype]
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """``cuda_graphs`` resolved: None means on iff ``device`` is CUDA."""
+        if self.cuda_graphs is None:
+            return torch.device(self.device).type == "cuda"
+        return self.cuda_graphs
+
+    @property
+    def use_static_shapes(self) -> bool:
+        """``static_shapes`` resolved: None follows ``use_cuda_graphs``."""
+        return self.use_cuda_graphs if self.static_shapes is None else self.static_shapes
 
 
 @dataclass(frozen=True)

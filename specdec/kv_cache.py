@@ -58,13 +58,40 @@ class SlotAttentionMetadata:
     first_slot: int
 
 
+@dataclass(frozen=True)
+class StaticSlotMetadata:
+    """Slot-cache metadata of the static-shape path (``specdec.cuda_graphs``): device tensors
+    only, fixed shapes per (batch bucket ``B``, tokens per row ``q``, KV bucket ``kv_len``), so
+    a step can be captured in a CUDA graph and replayed.
+
+    Attributes:
+        cache: the cache (with its scratch slot ``cache.scratch_slot``).
+        slot_ids: ``[B]`` int64, slot of each row (the scratch slot for batch-padding rows).
+        write_rows, write_cols: ``[B * q]`` int64, where each token's key/value goes; padding
+            tokens go to the scratch slot, so every index write has the same shape.
+        attn_mask: ``[B, 1, num_groups * q, kv_len]`` bool, True where a query may attend; the
+            query heads of one KV head are folded into the query axis (grouped-query attention
+            without repeating K/V), row ``g * q + t`` is token t's mask.
+        kv_len: number of cache positions read (the KV bucket).
+    """
+
+    cache: "SlotKVCache"
+    slot_ids: torch.Tensor
+    write_rows: torch.Tensor
+    write_cols: torch.Tensor
+    attn_mask: torch.Tensor
+    kv_len: int
+
+
 class SlotKVCache:
     """Per-layer key/value tensors indexed by slot, preallocated at start-up.
 
-    Shapes: ``k[layer]`` and ``v[layer]`` are ``[max_num_seqs, num_kv_heads, max_model_len,
-    head_dim]``; ``seq_lens`` is ``[max_num_seqs]`` int64 on the CPU (host-side bookkeeping).
-    Memory: ``2 * num_layers * max_num_seqs * num_kv_heads * max_model_len * head_dim``
-    elements of ``dtype`` (see ``num_bytes``).
+    Shapes: ``k[layer]`` and ``v[layer]`` are ``[max_num_seqs + num_scratch_slots,
+    num_kv_heads, max_model_len, head_dim]``; ``seq_lens`` is ``[max_num_seqs]`` int64 on the
+    CPU (host-side bookkeeping). ``num_scratch_slots`` is 1 for the static-shape path (it writes
+    the padding tokens there: ``scratch_slot``), else 0.
+    Memory: ``2 * num_layers * (max_num_seqs + num_scratch_slots) * num_kv_heads *
+    max_model_len * head_dim`` elements of ``dtype`` (see ``num_bytes``).
     """
 
     def __init__(
@@ -76,6 +103,7 @@ class SlotKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        num_scratch_slots: int = 0,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -86,6 +114,8 @@ class SlotKVCache:
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if num_scratch_slots not in (0, 1):
+            raise ValueError(f"num_scratch_slots must be 0 or 1, got {num_scratch_slots}")
         self.num_layers = num_layers
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -93,7 +123,8 @@ class SlotKVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (max_num_seqs, num_kv_heads, max_model_len, head_dim)
+        self.scratch_slot = max_num_seqs if num_scratch_slots else None
+        shape = (max_num_seqs + num_scratch_slots, num_kv_heads, max_model_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int64)
@@ -207,11 +238,13 @@ def slot_attention_forward(
     Returns:
         ``(attn_output [b, q, num_heads, head_dim], None)``.
     """
-    meta: SlotAttentionMetadata | None = kwargs.pop(SLOT_METADATA_KWARG, None)
+    meta = kwargs.pop(SLOT_METADATA_KWARG, None)
     if meta is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
+    if isinstance(meta, StaticSlotMetadata):
+        return _static_attention(module.layer_idx, query, key, value, meta, scaling), None
     meta.cache.write(module.layer_idx, meta, key, value)
     k_all, v_all = meta.cache.read(module.layer_idx, meta)
     num_groups = query.shape[1] // k_all.shape[1]
@@ -221,6 +254,34 @@ def slot_attention_forward(
         query, k_all, v_all, attn_mask=meta.attn_mask, dropout_p=0.0, scale=scaling
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _static_attention(
+    layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    meta: StaticSlotMetadata, scaling: float | None,
+) -> torch.Tensor:
+    """Static-shape slot attention: index writes, a slot gather of ``kv_len`` positions, and
+    SDPA with the query heads of each KV head folded into the query axis (no K/V repeat).
+
+    Shapes: query ``[B, H, q, d]``, key/value ``[B, KVH, q, d]``; returns ``[B, q, H, d]``.
+    No host syncs and no data-dependent shapes (CUDA-graph capturable).
+    """
+    cache = meta.cache
+    batch, num_heads, q_len, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    num_groups = num_heads // num_kv_heads
+    k_new = key.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
+    v_new = value.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
+    cache.k[layer_idx][meta.write_rows, :, meta.write_cols] = k_new.to(cache.dtype)
+    cache.v[layer_idx][meta.write_rows, :, meta.write_cols] = v_new.to(cache.dtype)
+    k_all = cache.k[layer_idx][:, :, : meta.kv_len].index_select(0, meta.slot_ids)
+    v_all = cache.v[layer_idx][:, :, : meta.kv_len].index_select(0, meta.slot_ids)
+    folded = query.reshape(batch, num_kv_heads, num_groups * q_len, head_dim)
+    out = F.scaled_dot_product_attention(
+        folded, k_all.to(query.dtype), v_all.to(query.dtype), attn_mask=meta.attn_mask,
+        dropout_p=0.0, scale=scaling,
+    )                                                                    # [B, KVH, G*q, d]
+    return out.reshape(batch, num_heads, q_len, head_dim).transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(SLOT_ATTENTION_NAME, slot_attention_forward)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from specdec.config import CacheConfig, ModelConfig
+from specdec.cuda_graphs import StaticStepper
 from specdec.errors import CapacityError
 from specdec.kv_cache import SLOT_METADATA_KWARG, SlotKVCache
 from specdec.loader import load_model, use_slot_attention
@@ -33,6 +34,9 @@ class ModelRunner:
             than ``vocab_size`` for a draft with a reduced vocabulary (``specdec.draft_format``).
         eos_token_ids: EOS ids from the generation config (or model config), as a tuple.
         weight_bytes / kv_cache_bytes: memory held by parameters / by the KV cache.
+        static_stepper: the static-shape / CUDA-graph path (``specdec.cuda_graphs``) for steps of
+            at most ``model_cfg.max_static_tokens`` tokens per row, or None when
+            ``model_cfg.use_static_shapes`` is off (then the cache has no scratch slot).
     """
 
     def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig, model=None) -> None:
@@ -59,7 +63,13 @@ class ModelRunner:
             or text_cfg.hidden_size // text_cfg.num_attention_heads,
             dtype=model_cfg.torch_dtype,
             device=model_cfg.device,
+            num_scratch_slots=1 if model_cfg.use_static_shapes else 0,
         )
+        self.static_stepper: StaticStepper | None = None
+        if model_cfg.use_static_shapes:
+            self.static_stepper = StaticStepper(
+                model, self.cache, cache_cfg.max_num_seqs, cache_cfg.max_model_len,
+                model_cfg.max_static_tokens, use_graphs=model_cfg.use_cuda_graphs)
         self._free_slots: list[int] = list(range(cache_cfg.max_num_seqs))
         self._allocated: set[int] = set()
 
@@ -119,7 +129,9 @@ class ModelRunner:
         """Append ``token_ids[i]`` to slot ``slots[i]`` and return the logits of every new token.
 
         Ragged rows are right-padded to ``q_max = max(len(t) for t in token_ids)``; the padding
-        is neither written to the KV cache nor counted in ``seq_len``.
+        is neither written to the slots' KV cache nor counted in ``seq_len``. Steps with
+        ``q_max <= model_cfg.max_static_tokens`` take the static-shape path (CUDA graphs on a
+        GPU) when ``static_stepper`` is set; the results are the same up to rounding.
 
         Args:
             slots: ``b`` distinct allocated slots.
@@ -138,6 +150,11 @@ class ModelRunner:
         self._check_batch(slots, token_ids)
         num_new = [len(row) for row in token_ids]
         q_max = max(num_new)
+        if self.static_stepper is not None and self.static_stepper.accepts(len(slots), q_max):
+            starts = [int(self.cache.seq_lens[slot]) for slot in slots]
+            logits = self.static_stepper.forward(slots, token_ids, starts, PAD_TOKEN_ID)
+            self.cache.commit(slots, num_new)
+            return logits.to(logits_dtype)
         padded = [row + [PAD_TOKEN_ID] * (q_max - len(row)) for row in token_ids]
         input_ids = torch.tensor(padded, dtype=torch.int64, device=self.model_cfg.device)
         meta = self.cache.prepare(slots, num_new, q_max)
