@@ -39,6 +39,8 @@ class StackConfig:
         max_model_len: tokens (prompt + output) per request, same in every service.
         dtype: engine parameter / KV dtype.
         is_pinned: pin verifier to core 0 and drafter to core 1 (one torch thread each, always).
+        num_engine_threads: torch threads per engine process (1 by default; the benchmark's
+            ``sd-2core`` runs unpinned engines with 2 threads each).
         host, *_port: loopback addresses of the services.
         http_port: the gateway's OpenAI-compatible HTTP port (0 = no HTTP API).
         runs_dir: logs go to ``<runs_dir>/<timestamp>/<service>.log``.
@@ -63,6 +65,7 @@ class StackConfig:
     max_model_len: int = 2048
     dtype: str = "float32"
     is_pinned: bool = True
+    num_engine_threads: int = 1
     host: str = "127.0.0.1"
     gateway_port: int = 50051
     http_port: int = 0
@@ -88,6 +91,7 @@ class StackConfig:
             "tensor_parallel_size": (self.tensor_parallel_size >= 1, "must be >= 1"),
             "data_plane": (self.data_plane in DATA_PLANES, f"must be one of {DATA_PLANES}"),
             "max_model_len": (self.max_model_len >= 2, "must be >= 2"),
+            "num_engine_threads": (self.num_engine_threads >= 1, "must be >= 1"),
             "startup_timeout_s": (self.startup_timeout_s > 0, "must be > 0"),
             "stop_timeout_s": (self.stop_timeout_s > 0, "must be > 0"),
             "metrics_port": (0 <= self.metrics_port <= 65535, "must be in [0, 65535] (0 = off)"),
@@ -192,7 +196,7 @@ def verifier_spec(cfg: StackConfig, model_dir: str) -> ServiceSpec:
     so ``ar``, ``sd`` and ``psd`` run the same target configuration and differ only in speculation.
     (Two OpenMP threads on a 2-core machine that also runs anything else slow a decode step down
     3-4x: spinning threads wait for the descheduled one.)"""
-    args = ["-m", "verifier_svc", "--model", model_dir, *_engine_args(cfg, cfg.verifier_port, 1),
+    args = ["-m", "verifier_svc", "--model", model_dir, *_engine_args(cfg, cfg.verifier_port, cfg.num_engine_threads),
             "--device", cfg.placement.verifier_device()]
     if cfg.bench_fixed_acceptance is not None:
         args += ["--bench-fixed-acceptance", repr(cfg.bench_fixed_acceptance)]
@@ -208,7 +212,7 @@ def verifier_spec(cfg: StackConfig, model_dir: str) -> ServiceSpec:
 def drafter_spec(cfg: StackConfig, model_dir: str, draft_dir: str) -> ServiceSpec:
     """Drafter: pinned to core 1 with one thread."""
     argv = [sys.executable, "-m", "drafter_svc", "--draft", draft_dir, "--model", model_dir,
-            *_engine_args(cfg, cfg.drafter_port, 1), "--device", cfg.placement.drafter_device()]
+            *_engine_args(cfg, cfg.drafter_port, cfg.num_engine_threads), "--device", cfg.placement.drafter_device()]
     cpus = _pinned(cfg, DRAFTER_CPU)
     return ServiceSpec("drafter", argv, f"{cfg.host}:{cfg.drafter_port}", cpus, cfg.placement.drafter_env())
 
