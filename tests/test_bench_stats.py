@@ -1,0 +1,140 @@
+"""Unit tests of the benchmark suite's statistics, ratios, greedy check, prompt selection and config."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench.loadgen import RequestResult, load_spec_bench
+from bench.report import compute_ratios, greedy_check, markdown
+from bench.stats import SpecCounts, mean_acceptance_length, percentile, ratio, spec_counts_from_usage, step_split, \
+    summarize, summarize_by_task
+from bench.suite import SuiteConfig, plan
+from bench.systems import SYSTEMS, vllm_spec_counters
+
+
+def _result(pid="1", task="qa", tokens=10, ttft=5.0, latency=50.0, spec=None, error=""):
+    return RequestResult(pid, task, text=f"t{pid}", num_output_tokens=tokens, ttft_ms=ttft, latency_ms=latency,
+                         spec=spec, error=error)
+
+
+def test_percentile_interpolates_and_ignores_nan():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([10.0, float("nan"), 0.0], 100) == 10.0
+    assert percentile([7], 99) == 7
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError, match="q"):
+        percentile([1], 101)
+
+
+def test_mean_acceptance_length_and_spec_counts():
+    assert mean_acceptance_length(6, 4) == 2.5
+    assert mean_acceptance_length(0, 0) == 1.0
+    counts = spec_counts_from_usage([
+        _result(spec={"num_draft_tokens": 8, "num_accepted_tokens": 3, "num_drafts": 2}),
+        _result(spec={"num_draft_tokens": 4, "num_accepted_tokens": 1, "num_drafts": 1}),
+        _result(spec={"num_draft_tokens": 99, "num_accepted_tokens": 99, "num_drafts": 99}, error="boom")])
+    assert counts == SpecCounts(12, 4, 3)
+    assert counts.acceptance_rate == pytest.approx(4 / 12) and counts.mean_acceptance_length == pytest.approx(1 + 4 / 3)
+    assert spec_counts_from_usage([_result()]) is None
+
+
+def test_summarize_counts_only_successful_requests():
+    results = [_result("1", tokens=10, latency=100), _result("2", tokens=30, latency=300),
+               _result("3", tokens=99, error="ConnectError")]
+    m = summarize(results, wall_s=2.0, num_cores=2, spec=SpecCounts(10, 5, 5))
+    assert m["num_requests"] == 3 and m["num_errors"] == 1 and m["num_output_tokens"] == 40
+    assert m["output_tokens_per_s"] == 20 and m["requests_per_s"] == 1 and m["output_tokens_per_s_per_core"] == 10
+    assert m["latency_ms_p50"] == 200 and m["mean_acceptance_length"] == 2.0 and m["acceptance_rate"] == 0.5
+    assert summarize(results, 1.0, 1, None)["mean_acceptance_length"] == 1.0
+    with pytest.raises(ValueError):
+        summarize(results, 0.0, 1, None)
+    by_task = summarize_by_task([_result("1", "qa"), _result("2", "rag", tokens=4)])
+    assert by_task["rag"]["num_output_tokens"] == 4 and math.isnan(by_task["qa"]["mean_acceptance_length"])
+
+
+def test_step_split_means_over_the_window(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    steps = [{"start_s": t, "draft_ms": d, "verify_ms": 10.0, "data_plane_ms": 1.0, "idle_ms": 2.0, "wall_ms": 12.0,
+              "is_parallel": p} for t, d, p in ((1.0, 99.0, False), (5.0, 4.0, True), (6.0, 6.0, False))]
+    path.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    split = step_split(str(path), 2.0, 10.0)  # the first step (warm-up) is outside the window
+    assert split["num_steps"] == 2 and split["draft_ms"] == 5.0 and split["parallel_step_ratio"] == 0.5
+    assert step_split(str(path), 20.0, 30.0) is None and step_split(str(tmp_path / "none"), 0, 1) is None
+
+
+def _run(system, k, tok_s, lat=100.0, temperature=0.0, m=4):
+    family = SYSTEMS[system].family
+    run_id = f"{system}-k{k}-m{m}-T{temperature:g}"
+    return {"run_id": run_id, "system": system, "family": family, "mode": SYSTEMS[system].mode, "m": m, "k": k,
+            "temperature": temperature, "metrics": {"output_tokens_per_s": tok_s, "latency_ms_p50": lat}}
+
+
+def test_ratios_pair_systems_and_best_of_each_family():
+    runs = [_run("ar", None, 10.0), _run("sd", 4, 8.0, 200.0), _run("psd", 4, 16.0, 50.0),
+            _run("vllm-ar", None, 20.0), _run("vllm-sd", 4, 4.0)]
+    by_name = {r["ratio"]: r for r in compute_ratios(runs)}
+    assert by_name["psd/sd"]["output_tokens_per_s"] == 2.0 and by_name["psd/sd"]["latency_ms_p50"] == 0.25
+    assert by_name["psd/ar"]["output_tokens_per_s"] == 1.6 and by_name["ar/vllm-ar"]["output_tokens_per_s"] == 0.5
+    assert by_name["sd/vllm-sd"]["output_tokens_per_s"] == 2.0
+    assert by_name["best-ours(psd k=4)/best-vllm(vllm-ar)"]["output_tokens_per_s"] == 0.8
+    assert "psd/sd-2core" not in by_name
+    assert math.isnan(ratio(1.0, 0.0)) and math.isnan(ratio(float("nan"), 1.0))
+
+
+def test_greedy_check_compares_with_the_family_ar():
+    runs = [_run("ar", None, 1), _run("psd", 4, 1), _run("vllm-ar", None, 1), _run("vllm-sd", 4, 1),
+            _run("psd", 4, 1, temperature=1.0)]
+    outputs = {"ar-kNone-m4-T0": {"1": "a", "2": "b"}, "psd-k4-m4-T0": {"1": "a", "2": "x"},
+               "vllm-ar-kNone-m4-T0": {"1": "a", "2": "b"}, "vllm-sd-k4-m4-T0": {"1": "a", "2": "b"}}
+    checks = {c["run_id"]: c for c in greedy_check(runs, outputs)}
+    assert checks["psd-k4-m4-T0"]["mismatched_prompt_ids"] == ["2"] and checks["psd-k4-m4-T0"]["num_equal"] == 1
+    assert checks["vllm-sd-k4-m4-T0"]["reference"] == "vllm-ar-kNone-m4-T0"
+    assert checks["ar-kNone-m4-T0"]["reference"] == "vllm-ar-kNone-m4-T0" and len(checks) == 3
+    meta = {"name": "x", "date_utc": "d", "git_commit": "c", "machine": "m", "command": "cmd", "workload": "w",
+            "notes": ["n"]}
+    for run in runs:
+        run["metrics"].update({k: 1.0 for k in ("requests_per_s", "ttft_ms_p50", "ttft_ms_p99", "latency_ms_p99",
+                                                "mean_acceptance_length", "num_cores", "output_tokens_per_s_per_core",
+                                                "num_errors")})
+    text = markdown(meta, runs, compute_ratios(runs), list(checks.values()))
+    assert "## temperature 1.0, m = 4" in text and "| psd-k4-m4-T0 | ar-kNone-m4-T0 | 1 / 2 | 2 |" in text
+
+
+def test_vllm_spec_counters_sum_label_sets():
+    page = ("# HELP vllm:spec_decode_num_drafts_total x\n"
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0\n'
+            'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 40.0\n'
+            'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 12.0\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 7.0\n')
+    assert vllm_spec_counters(page) == {"num_drafts": 10.0, "num_draft_tokens": 40.0, "num_accepted_tokens": 12.0}
+    assert vllm_spec_counters(None) == {}
+
+
+def test_load_spec_bench_round_robin_over_tasks(tmp_path):
+    rows = [("1", "writing"), ("2", "coding"), ("3", "qa"), ("4", "qa"), ("5", "rag")]
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question_id": q, "category": c, "turns": [f"p{q}"]}) + "\n" for q, c in rows))
+    prompts = load_spec_bench(str(path), 4, ("mt_bench", "qa"))
+    assert [(p.prompt_id, p.task) for p in prompts] == [("1", "mt_bench"), ("3", "qa"), ("2", "mt_bench"), ("4", "qa")]
+    with pytest.raises(ValueError, match="num_prompts"):
+        load_spec_bench(str(path), 5, ("mt_bench", "qa"))
+    with pytest.raises(ValueError, match="tasks"):
+        load_spec_bench(str(path), 1, ("nope",))
+
+
+def test_suite_config_validation_and_plan(tmp_path):
+    data = tmp_path / "q.jsonl"
+    data.write_text("{}\n")
+    cfg = SuiteConfig(data=str(data), systems=("ar", "psd", "vllm-sd"), ms=(4, 8), ks=(2, 4))
+    assert plan(cfg) == [("ar", 4, None), ("ar", 8, None), ("psd", 4, 2), ("psd", 4, 4), ("psd", 8, 2),
+                         ("psd", 8, 4), ("vllm-sd", 4, 2), ("vllm-sd", 4, 4), ("vllm-sd", 8, 2), ("vllm-sd", 8, 4)]
+    assert cfg.has_vllm and not SuiteConfig(data=str(data)).has_vllm
+    for field, value in (("systems", ("nope",)), ("ks", (0,)), ("temperatures", (-1.0,)), ("data", "/none")):
+        with pytest.raises(ValueError, match=field):
+            SuiteConfig(**{"data": str(data), field: value})
+    assert SYSTEMS["psd"].max_num_seqs(4) == 4 and SYSTEMS["sd"].max_num_seqs(4) == 8
+    assert SYSTEMS["vllm-ar"].max_num_seqs(4) == 8 and SYSTEMS["sd-2core"].num_engine_threads == 2
+    assert SYSTEMS["ar"].num_cores(2, 1) == 1 and SYSTEMS["psd"].num_cores(2, 1) == 2
+    assert SYSTEMS["vllm-sd"].num_cores(2, 1) == 1 and SYSTEMS["vllm-sd"].num_cores(2, 0) == 2
