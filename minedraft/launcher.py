@@ -122,9 +122,15 @@ class Stack:
                 (``check_memory``; nothing is started then).
         """
         check_memory(self.cfg, model_dir, log)
+        self.add_services(build_service_specs(self.cfg, model_dir), log)
+
+    def add_services(self, specs: list[ServiceSpec], log=print) -> None:
+        """Start ``specs`` in this stack and wait until every service is SERVING; e.g. a coordinator
+        and gateway in front of engines another Stack runs (bench/gpu_stack.py switches modes
+        without reloading the models). Raises StackError as ``start``."""
         self.run_dir = self.run_dir or os.path.join(self.cfg.runs_dir, time.strftime("%Y%m%d-%H%M%S"))
         os.makedirs(self.run_dir, exist_ok=True)
-        for spec in build_service_specs(self.cfg, model_dir):
+        for spec in specs:
             self.services.append(self._spawn(spec))
             log(f"started {spec.name} (pid {self.services[-1].process.pid}) -> {self.services[-1].log_path}")
         self._wait_serving(log)
