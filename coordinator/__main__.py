@@ -12,6 +12,7 @@ import logging
 import sys
 
 from coordinator.adaptive import KPolicy
+from coordinator.balancer import BalancerPolicy
 from coordinator.config import DEFAULT_DRAFTER, DEFAULT_PORT, DEFAULT_VERIFIER, CoordinatorConfig, DataPlaneKind, Mode
 from coordinator.server import serve
 from minedraft import telemetry
@@ -39,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
     p.add_argument("--step-log", default="", help="append one JSON line per step to this file (minedraft timeline)")
     p.add_argument("--k-policy", choices=[k.value for k in KPolicy], default=KPolicy.FIXED.value,
                    help="fixed: k = --k always; adaptive: k in [1, --k] toward t_draft = t_verify (Lemma 2)")
+    p.add_argument("--balancer", choices=[b.value for b in BalancerPolicy], default=BalancerPolicy.PAPER.value,
+                   help="paper: new requests join skip_batch after the first step (MineDraft §5.1); "
+                        "feedback: keep balancing the two batches by expected step cost")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -48,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
             verifier=a.verifier, host=a.host, port=a.port, data_plane=a.data_plane, max_queue_len=a.max_queue_len,
             drafter_retry_s=a.drafter_retry, rpc_timeout_s=a.rpc_timeout, engine_wait_s=a.engine_wait,
             grace_s=a.grace, metrics_port=a.metrics_port, step_log=a.step_log, k_policy=a.k_policy,
+            balancer=a.balancer,
         )
     except ValueError as exc:
         p.error(str(exc))

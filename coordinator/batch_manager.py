@@ -95,6 +95,28 @@ class BatchManager:
             raise ValueError(f"request_ids: already managed or repeated: {duplicates or request_ids}")
         return [self._place(r, self._target_batch()) for r in request_ids]
 
+    def place(self, request_id: str, index: int) -> int:
+        """Put one new request into batch ``index`` (a balancer's choice, ``coordinator.balancer``).
+
+        Raises:
+            ValueError: the request is already managed, or ``index`` is not 0 or 1.
+        """
+        if request_id in self._batch_of:
+            raise ValueError(f"request_id: already managed: {request_id!r}")
+        return self._place(request_id, _check_index(index))
+
+    def move(self, request_id: str, index: int) -> None:
+        """Move a managed request to batch ``index`` (no-op if it is there already).
+
+        Raises:
+            KeyError: the request is not managed. ValueError: ``index`` is not 0 or 1.
+        """
+        current = self._batch_of[request_id]
+        if current != _check_index(index):
+            del self._batches[current][request_id]
+            self.balance -= 1 if current == 1 else -1
+            self._place(request_id, index)
+
     def add(self, request_id: str) -> int:
         """Assign one new request; see :meth:`assign`. Returns its batch index."""
         return self.assign([request_id])[0]

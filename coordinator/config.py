@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from coordinator.adaptive import KPolicy
+from coordinator.balancer import BalancerPolicy
 
 DEFAULT_PORT = 50052
 DEFAULT_DRAFTER = "127.0.0.1:50053"
@@ -54,6 +55,8 @@ class CoordinatorConfig:
         k_policy: ``fixed`` (k = ``num_speculative_tokens`` always) or ``adaptive`` (k in
             [1, num_speculative_tokens] toward t_draft = t_verify, per-request switch-off;
             ``coordinator.adaptive``).
+        balancer: ``paper`` (new requests join ``skip_batch`` after the first step, MineDraft §5.1)
+            or ``feedback`` (keeps balancing by expected step cost; ``coordinator.balancer``).
     """
 
     mode: Mode = Mode.PSD
@@ -72,11 +75,13 @@ class CoordinatorConfig:
     metrics_port: int = 0
     step_log: str = ""
     k_policy: str = "fixed"
+    balancer: str = "paper"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _enum_field("mode", Mode, self.mode))
         object.__setattr__(self, "data_plane", _enum_field("data_plane", DataPlaneKind, self.data_plane))
         object.__setattr__(self, "k_policy", _enum_field("k_policy", KPolicy, self.k_policy))
+        object.__setattr__(self, "balancer", _enum_field("balancer", BalancerPolicy, self.balancer))
         _require(self.num_speculative_tokens >= 1, "num_speculative_tokens", "must be >= 1")
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         for name in ("drafter", "verifier"):
@@ -93,6 +98,11 @@ class CoordinatorConfig:
     def max_num_running(self) -> int:
         """Most requests running at once: 2m in ``psd`` (two batches), m otherwise."""
         return 2 * self.max_num_seqs if self.mode == Mode.PSD else self.max_num_seqs
+
+    @property
+    def uses_batches(self) -> bool:
+        """Whether running requests are kept in the Batch Manager's two batches (``psd``)."""
+        return self.mode == Mode.PSD
 
     @property
     def uses_drafter(self) -> bool:

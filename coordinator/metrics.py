@@ -69,6 +69,8 @@ class CoordinatorMetrics:
                                          "Steps where both batches were busy / all steps.", registry=r)
         self.data_plane_time_share = Gauge(f"{_PREFIX}data_plane_time_share",
                                            "Data-plane ms / step wall ms, over all steps.", registry=r)
+        self.num_migrations = Counter(f"{_PREFIX}psd_batch_migrations",
+                                      "Requests moved between PSD batches by the feedback balancer.", registry=r)
         self.step_batch_size = Histogram(f"{_PREFIX}step_batch_size", "Requests per step by role.", ["role"],
                                          buckets=_BATCH_BUCKETS, registry=r)
 

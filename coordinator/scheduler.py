@@ -21,6 +21,7 @@ import grpc
 from minedraft.v1 import engine_pb2
 
 from coordinator.adaptive import KChooser, SpeculationStats
+from coordinator.balancer import Balancer, BalancerConfig
 from coordinator.batch_manager import BatchManager
 from coordinator.config import CoordinatorConfig, DataPlaneKind, Mode
 from coordinator.context_window import ContextLimits
@@ -73,6 +74,8 @@ class Scheduler(StepLoop):
         self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
         self.limits = ContextLimits()  # the engines' max_model_len; set by coordinator.server.start
         self.spec_stats = SpeculationStats()
+        self.balancer = Balancer(BalancerConfig(cfg.balancer))
+        self._is_head_held = False
         self.chooser = KChooser(cfg.k_policy, cfg.num_speculative_tokens, self.spec_stats)
 
     # ------------------------------------------------------------------ public API
@@ -162,9 +165,10 @@ class Scheduler(StepLoop):
     async def _admit(self) -> None:
         # slots of finished/aborted requests count until their release RPC has run
         num_free = self.max_num_running - len(self.running) - len(self._to_release)
-        if self.cfg.mode == Mode.PSD and self.batches.is_started:  # newcomers join skip_batch: keep it <= m
-            num_free = min(num_free, self.cfg.max_num_seqs - len(self.batches.draft_batch()))
-        new = [self.waiting.popitem(last=False)[1] for _ in range(min(num_free, len(self.waiting)))]
+        if self.cfg.uses_batches and self.batches.is_started:  # newcomers join the drafted batch: keep it <= m
+            target = self.balancer.effective_skip(self.batches) if self.balancer.is_feedback else self.batches.skip_batch
+            num_free = min(num_free, self.cfg.max_num_seqs - len(self.batches.batch(target)))
+        new = [self.waiting.popitem(last=False)[1] for _ in range(self._num_to_admit(num_free))]
         if not new:
             return
         for request in new:
@@ -201,8 +205,27 @@ class Scheduler(StepLoop):
                 self._retire(request, None, error=(grpc.StatusCode.INTERNAL, "verifier returned no first token"))
             elif self._commit(request, list(out.token_ids), list(out.logprobs), 0, 0, list(out.top_logprobs)):
                 alive.append(request.request_id)
-        if self.cfg.mode == Mode.PSD:
-            self.batches.assign(alive)
+        if self.cfg.uses_batches:
+            self.balancer.assign(self.batches, alive, self._cost_of, self.cfg.max_num_seqs)
+
+    def _num_to_admit(self, num_free: int) -> int:
+        """Requests to admit from the queue's head now (the balancer may hold some one step)."""
+        num = max(min(num_free, len(self.waiting)), 0)
+        if not self.cfg.uses_batches or num == 0:
+            return num
+        head = [request for request, _ in zip(self.waiting.values(), range(num))]
+        positions = self.chooser.max_k + 1
+        costs = [self.balancer.request_cost(positions, len(r.prompt_token_ids)) for r in head]
+        admitted = self.balancer.num_to_admit(self.batches, costs, self.cfg.max_num_seqs, self._cost_of,
+                                              self._is_head_held)
+        self._is_head_held = admitted < num
+        return admitted
+
+    def _cost_of(self, request_id: str) -> float:
+        """Expected verify cost of a running request (``coordinator.balancer``)."""
+        request = self.running[request_id]
+        positions = self.chooser.request_k(request_id, self.chooser.max_k) + 1
+        return self.balancer.request_cost(positions, len(request.committed))
 
     # ------------------------------------------------------------------ retire, failures
     def _retire(self, request: RequestState, reason: FinishReason | None, error: tuple | None = None) -> None:

@@ -112,6 +112,11 @@ class StepLoop:
             return list(self.running.values()), []
         if self.batches.is_empty(1 - self.batches.skip_batch):
             self.batches.flip()  # one batch empty: verify the other (sd fallback), newcomers draft
+        migrant = self.balancer.pick_migration(self.batches, self.cfg.max_num_seqs, self._cost_of)
+        if migrant is not None:  # feedback balancer: drafted again now, verified next step
+            self.batches.move(migrant, self.batches.skip_batch)
+            self.running[migrant].drafts = None
+            self.metrics.num_migrations.inc()
         verify = [self.running[r] for r in self.batches.verify_batch()]
         ahead = [self.running[r] for r in self.batches.draft_batch()]
         return verify, ahead
