@@ -201,8 +201,9 @@ class TargetWorker(_Worker):
             logits = self.runner.forward(slots, fed)[:, : k + 1]            # [b, k + 1, V]
         with _tracer.start_as_current_span("target.rejection_sample"):
             target_probs = logits_to_probs(logits, [s.params for s in states])
-            draft_ids = torch.tensor(draft_token_ids, dtype=torch.int64).view(len(states), k)
-            is_greedy = torch.tensor([s.params.is_greedy for s in states], dtype=torch.bool)
+            device = target_probs.device                   # the sampler runs where the logits are
+            draft_ids = torch.tensor(draft_token_ids, dtype=torch.int64, device=device).view(len(states), k)
+            is_greedy = torch.tensor([s.params.is_greedy for s in states], dtype=torch.bool, device=device)
             generators = [s.generator for s in states]
             if self.fixed_acceptance is not None:   # BENCHMARK-ONLY: not the target's distribution
                 output, num_accepted = fixed_acceptance_sample(
@@ -212,6 +213,7 @@ class TargetWorker(_Worker):
                 output, num_accepted = rejection_sample(
                     draft_ids, None if draft_probs is None else draft_probs.to(target_probs),
                     target_probs, is_greedy, generators)
+            output, num_accepted = output.cpu(), num_accepted.cpu()   # one device sync per step
         logprobs = logits.log_softmax(dim=-1)
         return [self._commit(rid, state, kv_len, output[row], int(num_accepted[row]), logprobs[row])
                 for row, (rid, state, kv_len) in enumerate(zip(request_ids, states, kv_lens))]
