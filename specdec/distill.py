@@ -52,6 +52,10 @@ FIELD_HELP = {
     "record_target": "target alias written to the draft metadata (default --target)",
     "draft_vocab_size": "reduced draft head: the N most frequent target ids of the responses (0: full vocab)",
     "time_budget_s": "stop training once the whole run took this many seconds, then evaluate + save (0: none)",
+    "num_task_prompts": "synthetic task prompts (specdec.task_prompts: summarization, RAG, translation, math, QA, multi-turn)",
+    "num_task_heldout": "held-out task prompts", "num_task_samples": "sampled responses per task prompt besides the greedy one",
+    "task_corpus": "corpus JSON of python -m specdec.task_corpus (default: collect from this system)",
+    "max_task_prompt_tokens": "drop longer task prompts (tokens)", "task_new_tokens": "task response length (0: max_new_tokens)", "init_draft": "draft dir to warm-start the layers from",
 }
 
 
@@ -84,13 +88,21 @@ class DistillConfig:
     checkpoint_every: int = 200
     draft_vocab_size: int = 0
     time_budget_s: float = 0.0
+    num_task_prompts: int = 0
+    num_task_heldout: int = 0
+    num_task_samples: int = 0
+    task_corpus: str | None = None
+    max_task_prompt_tokens: int = 1024
+    task_new_tokens: int = 0
+    init_draft: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "max_prompts", "max_prompt_tokens", "max_new_tokens", "top_k_logits",
                      "gen_batch_size", "batch_size", "num_epochs", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("num_samples", "num_heldout", "draft_vocab_size", "time_budget_s"):
+        for name in ("num_samples", "num_heldout", "draft_vocab_size", "time_budget_s", "num_task_prompts",
+                     "num_task_heldout", "num_task_samples", "max_task_prompt_tokens", "task_new_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0 or not self.sample_temperature > 0:
@@ -138,18 +150,27 @@ def _first_turn(row: dict) -> str | None:
 
 def encode_prompts(tokenizer, prompts: list[str], max_tokens: int) -> list[list[int]]:
     """Chat-template token ids of each prompt; prompts over ``max_tokens`` are dropped."""
+    return [ids for _, ids in encode_prompt_texts(tokenizer, prompts, max_tokens)]
+
+
+def encode_prompt_texts(tokenizer, prompts: list[str], max_tokens: int) -> list[tuple[str, list[int]]]:
+    """``(prompt, chat-template token ids)``; prompts over ``max_tokens`` tokens are dropped."""
     ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                          tokenize=True, return_dict=False) for p in prompts]
-    return [list(x) for x in ids if len(x) <= max_tokens]
+    return [(p, list(x)) for p, x in zip(prompts, ids) if len(x) <= max_tokens]
 
 
 @torch.no_grad()
 def generate_responses(model, prompts: list[list[int]], cfg: DistillConfig, eos_ids, pad_id: int,
                        temperature: float) -> list[tuple[list[int], list[int]]]:
-    """Target responses ``(prompt_ids, response_ids)``; greedy when ``temperature == 0``."""
+    """Target responses ``(prompt_ids, response_ids)`` in prompt order; greedy when ``temperature == 0``.
+
+    Batches hold prompts of similar length (sorted) to limit padding.
+    """
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out = []
     for start in tqdm(range(0, len(prompts), cfg.gen_batch_size), desc=f"generate T={temperature}"):
-        batch = prompts[start:start + cfg.gen_batch_size]
+        batch = [prompts[i] for i in order[start:start + cfg.gen_batch_size]]
         width = max(map(len, batch))
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=model.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
@@ -159,7 +180,10 @@ def generate_responses(model, prompts: list[list[int]], cfg: DistillConfig, eos_
         for p, row in zip(batch, gen[:, width:].tolist()):
             cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
             out.append((p, row[:cut]))
-    return out
+    by_prompt = [None] * len(prompts)
+    for i, pair in zip(order, out):
+        by_prompt[i] = pair
+    return by_prompt
 
 
 def pad_batch(pairs, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -289,10 +313,12 @@ def _eos_ids(tokenizer, target) -> tuple[int, ...]:
 
 
 def build_dataset(cfg: DistillConfig, target, tokenizer, device: str):
-    """(train pairs, train teacher top-k, held-out pairs), cached in the work dir."""
+    """(train pairs, train teacher top-k, held-out chat pairs, held-out task pairs, task summary),
+    cached in the work dir; the task stage (``specdec.distill_tasks``) runs when ``num_task_prompts``."""
     prompts = load_prompts(cfg.data_dir)
     random.Random(cfg.seed).shuffle(prompts)
-    encoded = encode_prompts(tokenizer, prompts, cfg.max_prompt_tokens)[:cfg.max_prompts + cfg.num_heldout]
+    texts = encode_prompt_texts(tokenizer, prompts, cfg.max_prompt_tokens)[:cfg.max_prompts + cfg.num_heldout]
+    encoded = [ids for _, ids in texts]
     heldout, train = encoded[:cfg.num_heldout], encoded[cfg.num_heldout:]
     eos = _eos_ids(tokenizer, target)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
@@ -301,14 +327,26 @@ def build_dataset(cfg: DistillConfig, target, tokenizer, device: str):
     def gen(ps, temp):
         return generate_responses(target, ps, cfg, eos, pad, temp)
 
-    pairs = _cached(os.path.join(work, "greedy.pt"), lambda: gen(train, 0.0))
+    greedy = _cached(os.path.join(work, "greedy.pt"), lambda: gen(train, 0.0))
+    pairs = greedy
     for s in range(cfg.num_samples):
         torch.manual_seed(cfg.seed + 1 + s)
         pairs = pairs + _cached(os.path.join(work, f"sampled{s}.pt"), lambda: gen(train, cfg.sample_temperature))
     pairs = [p for p in pairs if p[1]]
+    task_held, task_summary = [], {}
+    if cfg.num_task_prompts:
+        from specdec import distill_tasks
+        docs = distill_tasks.documents(tokenizer, [t for t, _ in texts[cfg.num_heldout:]], greedy)
+        eval_path = os.path.join(cfg.data_dir, EVAL_FILE)
+        eval_turns = [t for row in _read_rows(eval_path) for t in row.get("turns", [])] if os.path.exists(eval_path) else []
+        task_cfg = replace(cfg, max_new_tokens=cfg.task_new_tokens or cfg.max_new_tokens)
+        task_pairs, task_held, task_summary = distill_tasks.build_task_stage(
+            cfg, tokenizer, docs, eval_turns, lambda ps, temp: generate_responses(target, ps, task_cfg, eos, pad, temp),
+            lambda name, make: _cached(os.path.join(work, name), make))
+        pairs = pairs + task_pairs
     teacher = _cached(os.path.join(work, "teacher.pt"), lambda: teacher_topk(target, pairs, cfg, device))
     held = _cached(os.path.join(work, "heldout.pt"), lambda: gen(heldout, 0.0))
-    return pairs, teacher, held
+    return pairs, teacher, held, task_held, task_summary
 
 
 def train(cfg: DistillConfig, draft, pairs, teacher, device: str, tag: str, t0: float | None = None) -> dict:
@@ -370,20 +408,29 @@ def run(cfg: DistillConfig) -> dict:
     os.makedirs(cfg.work_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
     target, tokenizer = load_target(cfg, device)
-    pairs, teacher, held = build_dataset(cfg, target, tokenizer, device)
+    pairs, teacher, held, task_held, task_summary = build_dataset(cfg, target, tokenizer, device)
     layers = cfg.init_layers or default_init_layers(target.config.num_hidden_layers, cfg.num_layers)
     vocab_ids = None
     if cfg.draft_vocab_size:
         vocab_ids = frequent_token_ids(pairs, cfg.draft_vocab_size, _eos_ids(tokenizer, target)).to(device)
+    if cfg.init_draft:
+        layers = cfg.init_layers or fmt.read_meta(cfg.init_draft).init_layers
     draft = fmt.build_draft_from_target(target, list(layers), vocab_ids).float()
+    if cfg.init_draft:
+        from specdec.distill_tasks import warm_start
+        warm_start(draft, cfg.init_draft, target.model.embed_tokens.weight)
     agree_before = top1_agreement(draft, target, held, device, cfg.batch_size)
+    task_before = top1_agreement(draft, target, task_held, device, cfg.batch_size) if task_held else None
     summary = train(cfg, draft, pairs, teacher, device, tag="-".join(map(str, layers)), t0=t0)
     summary.update(top1_agreement_heldout=top1_agreement(draft, target, held, device, cfg.batch_size),
                    top1_agreement_heldout_before=agree_before, num_train_sequences=len(pairs),
                    num_heldout_sequences=len(held), wall_time_s=round(time.perf_counter() - t0, 1),
                    seed=cfg.seed, device=device, lr=cfg.lr, num_epochs=cfg.num_epochs,
                    top_k_logits=cfg.top_k_logits, max_new_tokens=cfg.max_new_tokens,
-                   response_token_coverage=_coverage(pairs, vocab_ids))
+                   response_token_coverage=_coverage(pairs, vocab_ids), init_draft=cfg.init_draft,
+                   top1_agreement_task_heldout_before=task_before, num_task_heldout_sequences=len(task_held),
+                   top1_agreement_task_heldout=top1_agreement(draft, target, task_held, device, cfg.batch_size)
+                   if task_held else None, **task_summary)
     meta = fmt.DraftMeta(target=cfg.record_target or cfg.target, target_fingerprint=fmt.embedding_fingerprint(
         target.model.embed_tokens.weight), num_layers=len(layers), init_layers=tuple(layers),
         target_gguf_file=None if cfg.record_target else cfg.gguf_file, training=summary,

@@ -1,0 +1,91 @@
+"""Distillation stage 2: task prompts (``specdec.task_prompts``) answered by the target, and warm start.
+
+Stage 1 (``specdec.distill.build_dataset``) has the target answer the chat prompts. Those greedy
+answers become the documents of the summarization / RAG / multi-turn prompts; translation, math
+and QA prompts come from ``specdec.task_corpus`` and templates. The target then answers every task
+prompt (greedy, plus ``num_task_samples`` sampled at ``sample_temperature``), and the draft is
+trained on chat + task sequences alike. Prompts overlapping Spec-Bench (word n-grams) are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from specdec import draft_format as fmt
+from specdec import task_corpus, task_prompts
+
+
+def load_corpus(path: str | None) -> dict:
+    """Corpus JSON written by ``python -m specdec.task_corpus`` (None: collect from this system)."""
+    if not path:
+        return task_corpus.collect()
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def encode_messages(tokenizer, prompts: list[task_prompts.TaskPrompt], max_tokens: int) -> list[tuple[str, list[int]]]:
+    """``(task, chat-template ids)`` of each prompt; prompts over ``max_tokens`` tokens are dropped."""
+    out = []
+    for p in prompts:
+        ids = tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+        if len(ids) <= max_tokens:
+            out.append((p.task, list(ids)))
+    return out
+
+
+def documents(tokenizer, prompt_texts: list[str], greedy_pairs) -> list[tuple[str, str]]:
+    """``(chat prompt, decoded target response)`` for aligned prompts and greedy ``(ids, response)``."""
+    return [(q, tokenizer.decode(r, skip_special_tokens=True).strip()) for q, (_, r) in zip(prompt_texts, greedy_pairs)]
+
+
+def build_task_stage(cfg, tokenizer, docs, eval_turns: list[str], generate, cached) -> tuple[list, list, dict]:
+    """Task training pairs, held-out task pairs and the mix summary.
+
+    Args:
+        cfg: ``DistillConfig`` (num_task_prompts, num_task_heldout, num_task_samples, task_corpus,
+            max_task_prompt_tokens, seed).
+        docs: :func:`documents` of stage 1.
+        eval_turns: the evaluation set's texts (Spec-Bench); overlapping prompts are dropped.
+        generate: ``(prompt ids list, temperature) -> [(prompt ids, response ids)]`` by the target.
+        cached: ``(file name, make) -> value`` (the work-dir cache of ``specdec.distill``).
+    Returns: (train pairs, held-out pairs, summary dict with the prompt mix and sources).
+    """
+    corpus = load_corpus(cfg.task_corpus)
+    mix = task_prompts.TaskMix.from_total(cfg.num_task_prompts + cfg.num_task_heldout, seed=cfg.seed)
+    prompts = task_prompts.build_task_prompts(docs, corpus, mix, task_prompts.eval_ngrams(eval_turns))
+    encoded = encode_messages(tokenizer, prompts, cfg.max_task_prompt_tokens)
+    held_ids = [ids for _, ids in encoded[:cfg.num_task_heldout]]
+    train_ids = [ids for _, ids in encoded[cfg.num_task_heldout:]]
+    pairs = cached("tasks_greedy.pt", lambda: generate(train_ids, 0.0))
+    for s in range(cfg.num_task_samples):
+        torch.manual_seed(cfg.seed + 101 + s)
+        pairs = pairs + cached(f"tasks_sampled{s}.pt", lambda: generate(train_ids, cfg.sample_temperature))
+    held = cached("tasks_heldout.pt", lambda: generate(held_ids, 0.0))
+    summary = {"task_mix_built": task_prompts.mix_summary(prompts),
+               "task_mix_encoded": {t: sum(task == t for task, _ in encoded) for t in task_prompts.TASKS},
+               "task_sources": {**corpus.get("sources", {}), "documents": "target greedy responses to the chat prompts"},
+               "num_task_train_prompts": len(train_ids), "num_task_heldout_prompts": len(held_ids)}
+    return [p for p in pairs if p[1]], [p for p in held if p[1]], summary
+
+
+def warm_start(draft, init_dir: str, target_embed: torch.Tensor) -> None:
+    """Load the own weights (layers + norm) of the draft directory ``init_dir`` into ``draft``.
+
+    The draft head is not loaded (it is gathered from the target). Raises IncompatibleDraftError
+    when ``init_dir`` was trained for another target, ValueError when its layer count differs.
+    """
+    meta = fmt.read_meta(init_dir)
+    fmt.check_fingerprint(meta.target_fingerprint, target_embed)
+    if meta.num_layers != len(draft.model.layers):
+        raise ValueError(f"init_draft has {meta.num_layers} layers, the draft {len(draft.model.layers)}")
+    params = dict(draft.named_parameters())
+    with safe_open(os.path.join(init_dir, fmt.DRAFT_WEIGHTS_FILE), framework="pt") as f:
+        for key in f.keys():
+            if key.startswith(fmt.OWN_WEIGHT_PREFIXES):
+                with torch.no_grad():
+                    params[key].copy_(f.get_tensor(key).to(params[key].dtype))
