@@ -22,6 +22,7 @@ class Mode(enum.StrEnum):
     AR = "ar"
     SD = "sd"
     PSD = "psd"
+    AUTO = "auto"  # per step, the best of ar / sd / psd by measured timings (coordinator.auto_mode)
 
 
 class DataPlaneKind(enum.StrEnum):
@@ -36,7 +37,7 @@ class CoordinatorConfig:
     """Settings of one coordinator process.
 
     Attributes:
-        mode: ``ar``, ``sd`` or ``psd``.
+        mode: ``ar``, ``sd``, ``psd`` or ``auto`` (chosen per step, ``coordinator.auto_mode``).
         num_speculative_tokens: k, draft tokens per request and step (>= 1).
         max_num_seqs: m, the batch size of one SD batch; at most ``2m`` requests run in ``psd``,
             ``m`` in ``ar``/``sd`` (further capped by the engines' free slots).
@@ -96,13 +97,13 @@ class CoordinatorConfig:
 
     @property
     def max_num_running(self) -> int:
-        """Most requests running at once: 2m in ``psd`` (two batches), m otherwise."""
-        return 2 * self.max_num_seqs if self.mode == Mode.PSD else self.max_num_seqs
+        """Most requests running at once: 2m in ``psd`` and ``auto`` (two batches), m otherwise."""
+        return 2 * self.max_num_seqs if self.uses_batches else self.max_num_seqs
 
     @property
     def uses_batches(self) -> bool:
-        """Whether running requests are kept in the Batch Manager's two batches (``psd``)."""
-        return self.mode == Mode.PSD
+        """Whether running requests are kept in the Batch Manager's two batches (``psd``, ``auto``)."""
+        return self.mode in (Mode.PSD, Mode.AUTO)
 
     @property
     def uses_drafter(self) -> bool:

@@ -21,6 +21,7 @@ import grpc
 from minedraft.v1 import engine_pb2
 
 from coordinator.adaptive import KChooser, SpeculationStats
+from coordinator.auto_mode import AutoDecision, AutoMode
 from coordinator.balancer import Balancer, BalancerConfig
 from coordinator.batch_manager import BatchManager
 from coordinator.config import CoordinatorConfig, DataPlaneKind, Mode
@@ -74,9 +75,11 @@ class Scheduler(StepLoop):
         self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
         self.limits = ContextLimits()  # the engines' max_model_len; set by coordinator.server.start
         self.spec_stats = SpeculationStats()
-        self.balancer = Balancer(BalancerConfig(cfg.balancer))
-        self._is_head_held = False
         self.chooser = KChooser(cfg.k_policy, cfg.num_speculative_tokens, self.spec_stats)
+        self.balancer = Balancer(BalancerConfig(cfg.balancer))
+        self.auto = AutoMode(self.chooser, cfg.max_num_seqs)
+        self.last_auto_decision: AutoDecision | None = None
+        self._is_head_held = False
 
     # ------------------------------------------------------------------ public API
     def submit(self, request: RequestState) -> None:
@@ -106,9 +109,24 @@ class Scheduler(StepLoop):
         """The mode the loop runs now (``ar`` while the drafter is unavailable)."""
         return self.cfg.mode if self.is_drafter_available else Mode.AR
 
-    def step_mode(self) -> Mode:
-        """The mode of the next step: :attr:`mode` (``ar`` while the drafter is unavailable)."""
+    @property
+    def effective_mode(self) -> Mode:
+        """The mode steps run in now: :attr:`mode`, or in ``auto`` the last step's choice."""
+        if self.cfg.mode == Mode.AUTO and self.last_auto_decision is not None and self.is_drafter_available:
+            return self.last_auto_decision.mode
         return self.mode
+
+    def step_mode(self, step_trace=None) -> Mode:
+        """The mode of the next step: :attr:`mode` (``ar`` while the drafter is unavailable); in
+        ``auto`` the :class:`AutoMode` choice, recorded on the step's span and in metrics."""
+        if self.cfg.mode != Mode.AUTO:
+            return self.mode
+        decision = self.auto.choose(self.batches.batch_sizes(), len(self.waiting), self.is_drafter_available)
+        self.metrics.auto_decisions.labels(mode=str(decision.mode), reason=decision.reason).inc()
+        if step_trace is not None and step_trace.span.is_recording():
+            step_trace.span.set_attributes(decision.attributes())
+        self.last_auto_decision = decision
+        return decision.mode
 
     @property
     def is_drafter_available(self) -> bool:
@@ -211,7 +229,7 @@ class Scheduler(StepLoop):
     def _num_to_admit(self, num_free: int) -> int:
         """Requests to admit from the queue's head now (the balancer may hold some one step)."""
         num = max(min(num_free, len(self.waiting)), 0)
-        if not self.cfg.uses_batches or num == 0:
+        if not self.cfg.uses_batches or num == 0 or self.effective_mode != Mode.PSD:
             return num
         head = [request for request, _ in zip(self.waiting.values(), range(num))]
         positions = self.chooser.max_k + 1

@@ -116,7 +116,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             num_accepted_tokens=totals.num_accepted_tokens, num_emitted_tokens=totals.num_emitted_tokens,
             draft_ms=totals.draft_ms, verify_ms=totals.verify_ms, data_plane_ms=totals.data_plane_ms,
             idle_ms=totals.idle_ms, step_wall_ms=totals.wall_ms, max_num_running=scheduler.max_num_running,
-            effective_mode=str(scheduler.mode),
+            effective_mode=str(scheduler.effective_mode),
         ))
         return response
 

@@ -50,7 +50,7 @@ class StepLoop:
                 raise
 
     async def _run_step(self, step_trace: StepTrace) -> StepStats:
-        start, mode, times = time.perf_counter(), self.step_mode(), StepTimes()
+        start, mode, times = time.perf_counter(), self.step_mode(step_trace), StepTimes()
         verify_reqs, ahead_reqs = self._schedule(mode)
         step_trace.add_requests(verify_reqs + ahead_reqs)
         verify_batch = 1 - self.batches.skip_batch if mode == Mode.PSD else 0

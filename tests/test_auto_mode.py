@@ -1,0 +1,105 @@
+"""``--mode auto`` (``coordinator.auto_mode``): decisions from online timings and acceptance, and
+the step loop switching modes on the fake engines of ``test_coordinator`` with exact outputs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_adaptive import TimedHarness
+from test_coordinator import _expected, _workload
+
+from coordinator.adaptive import KChooser, SpeculationStats
+from coordinator.auto_mode import REASON_KEPT, REASON_NO_DRAFTER, REASON_PROBE, AutoConfig, AutoMode
+from coordinator.config import CoordinatorConfig, Mode
+from minedraft.v1 import coordinator_pb2
+
+M = 4
+
+
+def _auto(draft: tuple[float, float], verify_fixed_ms: float, verify_ms_per_position: float, accepted_of_4: int,
+          policy: str = "fixed", **cfg) -> AutoMode:
+    """An AutoMode whose estimates saw steps of a drafter taking ``draft[0] + draft[1] * n`` ms per
+    draft forward of n rows, a verifier taking ``fixed + per_position * positions`` ms, and
+    ``accepted_of_4`` of 4 draft tokens accepted."""
+    stats = SpeculationStats()
+    for n, k in ((2, 4), (4, 4), (8, 4), (4, 2), (8, 0), (4, 0)):
+        if k:
+            stats.cost.observe_draft(n, k, (draft[0] + draft[1] * n) * k)
+        stats.cost.observe_verify(n * (k + 1), verify_fixed_ms + verify_ms_per_position * n * (k + 1))
+    for i in range(50):
+        stats.observe_verified(f"r{i % 8}", 4, accepted_of_4)
+    return AutoMode(KChooser(policy, 4, stats), M, AutoConfig(**cfg))
+
+
+def test_picks_ar_when_drafts_are_always_rejected() -> None:
+    decision = _auto((2.0, 0.0), 8.0, 0.0, accepted_of_4=0).choose((4, 4), 0, True)
+    assert decision.mode == Mode.AR and decision.goodput["ar"] > decision.goodput["psd"]
+
+
+def test_picks_psd_when_drafting_and_verification_are_level() -> None:
+    auto = _auto((0.0, 0.5), 6.0, 0.1, accepted_of_4=3)
+    decision = auto.choose((4, 4), 0, True)
+    cost = auto.chooser.stats.cost
+    assert cost.draft_ms(4, 4) == pytest.approx(cost.verify_ms(4, 4)) == pytest.approx(8.0)  # level at k = 4
+    assert decision.mode == Mode.PSD and decision.goodput["psd"] > max(decision.goodput["sd"], decision.goodput["ar"])
+
+
+def test_picks_sd_with_one_request() -> None:
+    decision = _auto((2.0, 0.0), 8.0, 0.0, accepted_of_4=3).choose((1, 0), 0, True)
+    assert decision.mode == Mode.SD and "psd" not in decision.goodput
+
+
+def test_speculation_off_when_verification_is_compute_bound() -> None:
+    """Verify time proportional to scored positions: every draft token costs a decoded token."""
+    decision = _auto((0.5, 0.0), 0.0, 1.0, accepted_of_4=3).choose((4, 4), 0, True)
+    assert decision.mode == Mode.AR
+
+
+def test_ar_probes_speculation_and_a_small_gain_does_not_switch() -> None:
+    auto = _auto((2.0, 0.0), 8.0, 0.0, accepted_of_4=0, probe_every_steps=3)
+    assert [auto.choose((4, 4), 0, True).reason for _ in range(5)][3] == REASON_PROBE
+    assert auto.current == Mode.AR
+    assert auto.choose((4, 4), 0, False).reason == REASON_NO_DRAFTER
+    level = _auto((2.0, 0.0), 8.0, 0.0, accepted_of_4=3, margin=10.0)
+    level.current = Mode.SD
+    assert level.choose((4, 4), 0, True).reason == REASON_KEPT
+
+
+def test_auto_config_and_mode_validation() -> None:
+    with pytest.raises(ValueError, match="margin"):
+        AutoConfig(margin=-1)
+    with pytest.raises(ValueError, match="probe_every_steps"):
+        AutoConfig(probe_every_steps=0)
+    cfg = CoordinatorConfig(mode="auto", max_num_seqs=3)
+    assert cfg.max_num_running == 6 and cfg.uses_batches and cfg.uses_drafter
+
+
+@pytest.mark.parametrize("accuracy", [0.0, 0.9])
+def test_step_loop_in_auto_mode_switches_and_stays_exact(accuracy: float) -> None:
+    """Drafts always wrong: auto settles on ar (with sd probes); mostly right: it speculates."""
+    work = _workload(14)
+
+    async def main():
+        async with TimedHarness(mode="auto", max_num_seqs=3, num_speculative_tokens=3, delay_s=0.01,
+                                balancer="feedback") as h:
+            h.drafter.accuracy, h.drafter.ms_per_token = accuracy, 1.0  # verify 10 ms, drafting 1 ms a token
+            results = await asyncio.gather(*(h.generate(rid, p, **s) for rid, p, s in work))
+            for (rid, prompt, sampling), (tokens, reason, _) in zip(work, results):
+                assert tokens == _expected(prompt, sampling), rid
+            modes = [s.mode for s in h.scheduler.totals.recent]
+            decisions = {mode: 0.0 for mode in ("ar", "sd", "psd")}
+            for metric in h.scheduler.metrics.auto_decisions.collect():
+                for sample in metric.samples:
+                    if sample.name.endswith("_total"):
+                        decisions[sample.labels["mode"]] += sample.value
+            assert decisions == {mode: modes.count(mode) for mode in decisions}, (decisions, modes)
+            assert len(set(modes)) >= 2, modes
+            if accuracy == 0.0:
+                assert modes.count("ar") > len(modes) // 2, modes
+            else:
+                assert modes.count("ar") < len(modes) // 2, modes
+            status = await h.stub.GetStatus(coordinator_pb2.StatusRequest())
+            assert status.mode == "auto" and status.effective_mode in ("ar", "sd", "psd")
+
+    asyncio.run(main())
