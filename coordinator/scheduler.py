@@ -21,6 +21,7 @@ import grpc
 from minedraft.v1 import engine_pb2
 
 from coordinator.adaptive import KChooser, SpeculationStats
+from coordinator.admission import EngineSlots
 from coordinator.auto_mode import AutoDecision, AutoMode
 from coordinator.balancer import Balancer, BalancerConfig
 from coordinator.batch_manager import BatchManager
@@ -54,13 +55,14 @@ class Scheduler(StepLoop):
         cfg: the coordinator configuration.
         engines: gRPC clients of both engines.
         eos_token_ids: the target model's EOS ids (from the verifier's ``GetInfo``).
-        num_engine_slots: free KV slots of the engines at start (min over the engines used).
+        slots: free KV slots of each engine at start; admission takes at most what both hold
+            (``coordinator.admission``).
     """
 
     def __init__(self, cfg: CoordinatorConfig, engines: EngineClients, eos_token_ids: tuple[int, ...],
-                 num_engine_slots: int) -> None:
-        self.cfg, self.engines, self.eos_token_ids = cfg, engines, eos_token_ids
-        self.max_num_running = min(cfg.max_num_running, num_engine_slots)
+                 slots: EngineSlots) -> None:
+        self.cfg, self.engines, self.eos_token_ids, self.slots = cfg, engines, eos_token_ids, slots
+        self.max_num_running = slots.max_num_running(cfg)
         self.waiting: collections.OrderedDict[str, RequestState] = collections.OrderedDict()
         self.running: dict[str, RequestState] = {}
         self.batches = BatchManager()

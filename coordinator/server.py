@@ -19,6 +19,7 @@ import grpc
 from minedraft.serving import ServerOptions, build_server, mirror_health, serve_until_signal, wait_for_serving
 from minedraft.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, engine_pb2
 
+from coordinator.admission import NO_DRAFTER, EngineSlots
 from coordinator.config import CoordinatorConfig
 from coordinator.context_window import ContextLimits
 from coordinator.engines import EngineClients
@@ -116,7 +117,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             num_accepted_tokens=totals.num_accepted_tokens, num_emitted_tokens=totals.num_emitted_tokens,
             draft_ms=totals.draft_ms, verify_ms=totals.verify_ms, data_plane_ms=totals.data_plane_ms,
             idle_ms=totals.idle_ms, step_wall_ms=totals.wall_ms, max_num_running=scheduler.max_num_running,
-            effective_mode=str(scheduler.effective_mode),
+            effective_mode=str(scheduler.effective_mode), num_verifier_slots=scheduler.slots.num_verifier_slots,
+            num_drafter_slots=scheduler.slots.num_drafter_slots, k_policy=str(self.cfg.k_policy),
+            balancer=str(self.cfg.balancer),
         ))
         return response
 
@@ -127,8 +130,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             await self.scheduler.wait_idle()
 
 
-async def connect_engines(cfg: CoordinatorConfig) -> tuple[EngineClients, tuple[int, ...], int, ContextLimits]:
-    """Wait for the engines to serve; return (clients, EOS token ids, free KV slots, their context windows).
+async def connect_engines(cfg: CoordinatorConfig) -> tuple[EngineClients, tuple[int, ...], EngineSlots, ContextLimits]:
+    """Wait for the engines to serve; return (clients, EOS token ids, each engine's free KV slots,
+    their context windows).
 
     Raises:
         TimeoutError: an engine is not SERVING within ``engine_wait_s``.
@@ -139,14 +143,16 @@ async def connect_engines(cfg: CoordinatorConfig) -> tuple[EngineClients, tuple[
     engines = EngineClients(cfg.drafter, cfg.verifier, cfg.rpc_timeout_s)
     stubs = [engines.verifier] + ([engines.drafter] if cfg.uses_drafter else [])
     infos = await _release_stale_requests(engines, stubs, addresses, cfg.rpc_timeout_s)
-    num_slots = min(info.num_free_slots for info in infos)
-    if num_slots < 1:
+    if min(info.num_free_slots for info in infos) < 1:
         raise RuntimeError(f"engines report no free KV slot: {[info.num_free_slots for info in infos]}")
+    slots = EngineSlots(infos[0].num_free_slots, infos[1].num_free_slots if cfg.uses_drafter else NO_DRAFTER)
     for address, info in zip(addresses, infos):
         logger.info("engine %s: model %s, %d free slots, max_model_len %d", address, info.model,
                     info.num_free_slots, info.max_model_len)
     limits = ContextLimits(infos[0].max_model_len, infos[1].max_model_len if cfg.uses_drafter else 0)
-    return engines, tuple(infos[0].eos_token_ids), num_slots, limits
+    logger.info("admission: at most %d running requests (limited by %s)", slots.max_num_running(cfg),
+                slots.limited_by(cfg))
+    return engines, tuple(infos[0].eos_token_ids), slots, limits
 
 
 async def _release_stale_requests(engines: EngineClients, stubs: list, addresses: list[str],
@@ -166,8 +172,8 @@ async def _release_stale_requests(engines: EngineClients, stubs: list, addresses
 
 async def start(cfg: CoordinatorConfig, servicer: CoordinatorServicer) -> tuple[Scheduler, asyncio.Task]:
     """Connect to the engines and start the step loop for ``servicer``."""
-    engines, eos_token_ids, num_slots, limits = await connect_engines(cfg)
-    scheduler = Scheduler(cfg, engines, eos_token_ids, num_slots)
+    engines, eos_token_ids, slots, limits = await connect_engines(cfg)
+    scheduler = Scheduler(cfg, engines, eos_token_ids, slots)
     scheduler.limits = limits
     task = asyncio.create_task(scheduler.run(), name="coordinator-step-loop")
     servicer.scheduler = scheduler

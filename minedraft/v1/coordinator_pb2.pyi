@@ -54,7 +54,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("mode", "num_running", "num_waiting", "batch_sizes", "balance", "skip_batch", "num_steps", "num_parallel_steps", "is_drafter_available", "num_speculative_tokens", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "draft_ms", "verify_ms", "data_plane_ms", "idle_ms", "step_wall_ms", "max_num_running", "effective_mode")
+    __slots__ = ("mode", "num_running", "num_waiting", "batch_sizes", "balance", "skip_batch", "num_steps", "num_parallel_steps", "is_drafter_available", "num_speculative_tokens", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "draft_ms", "verify_ms", "data_plane_ms", "idle_ms", "step_wall_ms", "max_num_running", "effective_mode", "num_verifier_slots", "num_drafter_slots", "k_policy", "balancer")
     MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,10 @@ class StatusResponse(_message.Message):
     STEP_WALL_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     EFFECTIVE_MODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_VERIFIER_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTER_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    K_POLICY_FIELD_NUMBER: _ClassVar[int]
+    BALANCER_FIELD_NUMBER: _ClassVar[int]
     mode: str
     num_running: int
     num_waiting: int
@@ -95,4 +99,8 @@ class StatusResponse(_message.Message):
     step_wall_ms: float
     max_num_running: int
     effective_mode: str
-    def __init__(self, mode: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., batch_sizes: _Optional[_Iterable[int]] = ..., balance: _Optional[int] = ..., skip_batch: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_parallel_steps: _Optional[int] = ..., is_drafter_available: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_emitted_tokens: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., data_plane_ms: _Optional[float] = ..., idle_ms: _Optional[float] = ..., step_wall_ms: _Optional[float] = ..., max_num_running: _Optional[int] = ..., effective_mode: _Optional[str] = ...) -> None: ...
+    num_verifier_slots: int
+    num_drafter_slots: int
+    k_policy: str
+    balancer: str
+    def __init__(self, mode: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., batch_sizes: _Optional[_Iterable[int]] = ..., balance: _Optional[int] = ..., skip_batch: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_parallel_steps: _Optional[int] = ..., is_drafter_available: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_emitted_tokens: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., data_plane_ms: _Optional[float] = ..., idle_ms: _Optional[float] = ..., step_wall_ms: _Optional[float] = ..., max_num_running: _Optional[int] = ..., effective_mode: _Optional[str] = ..., num_verifier_slots: _Optional[int] = ..., num_drafter_slots: _Optional[int] = ..., k_policy: _Optional[str] = ..., balancer: _Optional[str] = ...) -> None: ...
