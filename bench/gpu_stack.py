@@ -68,13 +68,13 @@ def _ports(count: int) -> list[int]:
 
 
 def engine_config(args, target: str, draft: str, verifier_gpu: int, drafter_gpu: int,
-                  fixed_acceptance: float | None) -> StackConfig:
+                  fixed_acceptance: float | None, dtype: str | None = None) -> StackConfig:
     """The StackConfig shared by a part's engines and fronts (fresh loopback ports)."""
     gpu_kwargs = dict(verifier_gpus=(verifier_gpu,), drafter_gpu=drafter_gpu) if args.device == "cuda" else {}
     verifier_port, drafter_port, dist_port = _ports(3)
     return StackConfig(mode="psd", num_speculative_tokens=args.k, max_num_seqs=args.max_num_seqs,
                        target=target, draft=draft, max_model_len=args.max_model_len,
-                       dtype=args.dtype or default_dtype(args.device), device=args.device,
+                       dtype=dtype or args.dtype or default_dtype(args.device), device=args.device,
                        verifier_port=verifier_port, drafter_port=drafter_port, dist_port=dist_port,
                        runs_dir=args.logs_dir, startup_timeout_s=args.startup_timeout_s,
                        bench_fixed_acceptance=fixed_acceptance, **gpu_kwargs)
@@ -194,7 +194,7 @@ def _replica_configs(cfg: StackConfig, device: str) -> list[StackConfig]:
 
 
 def run_pair(args, parts: tuple[str, str], target: str, draft: str, fixed_acceptance: float | None,
-             budget: Budget, report, log=print) -> None:
+             dtype: str | None, budget: Budget, report, log=print) -> None:
     """A part's modes (verifier GPU 0, drafter GPU 1), then its 2x sd replicas on the same models."""
     modes_part, replicas_part = parts
     wanted = [p for p in parts if p in args.parts]
@@ -203,7 +203,8 @@ def run_pair(args, parts: tuple[str, str], target: str, draft: str, fixed_accept
             report.skip(part, "all runs", "time budget")
         return
     model_dir = resolve_model_dir(target)
-    cfg = engine_config(args, target, draft, 0, 1, fixed_acceptance)
+    cfg = engine_config(args, target, draft, 0, 1, fixed_acceptance, dtype)
+    report.note(modes_part, f"engine dtype {cfg.dtype}")
     engines = Engines(f"{modes_part}-engines", args.logs_dir)
     extra = Engines(f"{replicas_part}-engines", args.logs_dir)
     try:
@@ -229,7 +230,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parts", default="a,b,c,d", help=f"subset of {','.join(PARTS)}")
     p.add_argument("--modes", default="ar,sd,psd", help="modes of parts a and c")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--dtype", default=None, help="engine dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--dtype", default=None, help="parts a/b engine dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--paper-dtype", default=None, help="parts c/d engine dtype (default as --dtype)")
     p.add_argument("--target", default="smollm2-135m-instruct", help="parts a/b target (alias, dir or .gguf)")
     p.add_argument("--draft", default="drafts/smollm2-135m-instruct", help="parts a/b draft dir")
     p.add_argument("--paper-target", default="random:llama-8b", help="parts c/d target")
@@ -272,14 +274,15 @@ def main(argv: list[str] | None = None) -> int:
     budget = Budget(args.time_budget_s, args.min_run_s, time.monotonic())
     config = {key: value for key, value in vars(args).items() if key not in ("out_dir", "logs_dir")}
     config["dtype"] = args.dtype or default_dtype(args.device)
+    config["paper_dtype"] = args.paper_dtype or default_dtype(args.device)
     config.update(gpus=_gpu_names(), cpu_count=os.cpu_count(), date=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
     report = Report(args.out_dir, config)
     status = 0
-    plans = ((("a", "b"), args.target, args.draft, None), (("c", "d"), args.paper_target, args.paper_draft,
-                                                          args.fixed_acceptance))
-    for parts, target, draft, fixed in plans:
+    plans = ((("a", "b"), args.target, args.draft, None, args.dtype),
+             (("c", "d"), args.paper_target, args.paper_draft, args.fixed_acceptance, args.paper_dtype))
+    for parts, target, draft, fixed, dtype in plans:
         try:
-            run_pair(args, parts, target, draft, fixed, budget, report)
+            run_pair(args, parts, target, draft, fixed, dtype, budget, report)
         except Exception as exc:  # a failed part must not lose the others' results
             print(f"error in parts {parts}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             report.note(parts[0], f"FAILED: {type(exc).__name__}: {str(exc)[-3000:]}")
