@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from minedraft.placement import DEVICES, NO_GPU, default_dtype, parse_gpu_list
-from minedraft.stack import DATA_PLANES, DEFAULT_TARGET, MODES, StackConfig
+from minedraft.stack import BALANCERS, DATA_PLANES, DEFAULT_TARGET, K_POLICIES, MODES, StackConfig
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 DEFAULT_PROMPTS = "../shared/data/spec_bench/question.jsonl"
@@ -42,6 +42,10 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=0, help="coordinator Prometheus /metrics port (0 = off)")
     p.add_argument("--step-log", default="", help="coordinator writes one JSON line per step here (minedraft timeline)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds until every service is SERVING")
+    p.add_argument("--k-policy", choices=K_POLICIES, default="fixed",
+                   help="fixed: k = --k; adaptive: k in [1, --k] toward t_draft = t_verify (coordinator.adaptive)")
+    p.add_argument("--balancer", choices=BALANCERS, default="paper",
+                   help="paper: MineDraft's assign(); feedback: keep balancing PSD batches by step cost")
 
 
 def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
@@ -55,7 +59,8 @@ def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
                        is_pinned=not args.no_pin, host=args.host, gateway_port=args.port, http_port=args.http_port,
                        coordinator_port=args.port + 1, drafter_port=args.port + 2, verifier_port=args.port + 3,
                        runs_dir=args.runs_dir, startup_timeout_s=args.startup_timeout,
-                       metrics_port=args.metrics_port, step_log=args.step_log)
+                       metrics_port=args.metrics_port, step_log=args.step_log, k_policy=args.k_policy,
+                       balancer=args.balancer)
 
 
 def add_prompts_args(p: argparse.ArgumentParser) -> None:
@@ -126,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minedraft", description="MineDraft: batch-parallel speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start verifier, drafter, coordinator, gateway; run until Ctrl-C")
-    up.add_argument("--mode", choices=MODES, default="psd", help="ar, sd or psd (MineDraft)")
+    up.add_argument("--mode", choices=MODES, default="psd", help="ar, sd, psd (MineDraft) or auto (per step)")
     add_stack_args(up)
     gen = sub.add_parser("generate", help="stream one answer from a running stack")
     gen.add_argument("prompt")

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from minedraft.bench_only import check_acceptance_prob, fixed_acceptance_label
 from minedraft.placement import NO_GPU, NO_GPUS, Placement
 
-MODES = ("ar", "sd", "psd")
+MODES = ("ar", "sd", "psd", "auto")  # auto: the coordinator picks ar / sd / psd per step (coordinator.auto_mode)
+K_POLICIES = ("fixed", "adaptive")  # coordinator.adaptive
+BALANCERS = ("paper", "feedback")  # coordinator.balancer
 DATA_PLANES = ("inline", "dist")
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT_DIR = "drafts/smollm2-135m-instruct"  # written by `minedraft distill` (issue 4)
@@ -30,7 +32,8 @@ class StackConfig:
     """Settings of ``minedraft up``.
 
     Attributes:
-        mode: ``ar`` (target alone), ``sd`` (standard speculative decoding) or ``psd`` (MineDraft).
+        mode: ``ar`` (target alone), ``sd`` (standard speculative decoding), ``psd`` (MineDraft) or
+            ``auto`` (the coordinator picks one of them per step).
         num_speculative_tokens: k, draft tokens per request and step.
         max_num_seqs: m, requests per batch; the engines get ``2m`` KV slots (PSD keeps 2 batches).
         tensor_parallel_size: verifier ranks (torchrun when > 1).
@@ -53,6 +56,8 @@ class StackConfig:
         bench_fixed_acceptance: BENCHMARK-ONLY: the verifier accepts each draft token with this
             probability instead of rejection sampling (``specdec.fixed_acceptance``); changes the
             output distribution. None (default) = off.
+        k_policy: the coordinator's ``--k-policy`` (``fixed`` or ``adaptive``).
+        balancer: the coordinator's ``--balancer`` (``paper`` or ``feedback``).
     """
 
     mode: str = "psd"
@@ -82,6 +87,8 @@ class StackConfig:
     verifier_gpus: tuple[int, ...] = NO_GPUS
     drafter_gpu: int = NO_GPU
     bench_fixed_acceptance: float | None = None
+    k_policy: str = "fixed"
+    balancer: str = "paper"
 
     def __post_init__(self) -> None:
         checks = {
@@ -90,6 +97,8 @@ class StackConfig:
             "max_num_seqs": (self.max_num_seqs >= 1, "must be >= 1"),
             "tensor_parallel_size": (self.tensor_parallel_size >= 1, "must be >= 1"),
             "data_plane": (self.data_plane in DATA_PLANES, f"must be one of {DATA_PLANES}"),
+            "k_policy": (self.k_policy in K_POLICIES, f"must be one of {K_POLICIES}"),
+            "balancer": (self.balancer in BALANCERS, f"must be one of {BALANCERS}"),
             "max_model_len": (self.max_model_len >= 2, "must be >= 2"),
             "num_engine_threads": (self.num_engine_threads >= 1, "must be >= 1"),
             "startup_timeout_s": (self.startup_timeout_s > 0, "must be > 0"),
@@ -222,7 +231,8 @@ def coordinator_spec(cfg: StackConfig) -> ServiceSpec:
             "--k", str(cfg.num_speculative_tokens),
             "--max-num-seqs", str(cfg.max_num_seqs), "--data-plane", cfg.data_plane,
             "--drafter", f"{cfg.host}:{cfg.drafter_port}", "--verifier", f"{cfg.host}:{cfg.verifier_port}",
-            "--host", cfg.host, "--port", str(cfg.coordinator_port), "--metrics-port", str(cfg.metrics_port)]
+            "--host", cfg.host, "--port", str(cfg.coordinator_port), "--metrics-port", str(cfg.metrics_port),
+            "--k-policy", cfg.k_policy, "--balancer", cfg.balancer]
     if cfg.step_log:
         argv += ["--step-log", os.path.abspath(cfg.step_log)]
     return ServiceSpec("coordinator", argv, f"{cfg.host}:{cfg.coordinator_port}", env=cfg.placement.torch_free_env())

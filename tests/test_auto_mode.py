@@ -103,3 +103,18 @@ def test_step_loop_in_auto_mode_switches_and_stays_exact(accuracy: float) -> Non
             assert status.mode == "auto" and status.effective_mode in ("ar", "sd", "psd")
 
     asyncio.run(main())
+
+
+def test_minedraft_up_and_demo_pass_auto_adaptive_and_balancer_to_the_coordinator() -> None:
+    from coordinator.__main__ import parse_args
+    from minedraft.cli import build_parser, stack_config
+    from minedraft.stack import StackConfig, coordinator_spec
+
+    args = build_parser().parse_args(["demo", "--modes", "psd,auto", "--k-policy", "adaptive", "--balancer", "feedback"])
+    for mode in ("psd", "auto"):
+        spec = coordinator_spec(stack_config(args, mode))
+        cfg = parse_args(spec.argv[3:])
+        assert (cfg.mode, cfg.k_policy, cfg.balancer) == (mode, "adaptive", "feedback")
+    assert stack_config(args, "auto").has_drafter
+    with pytest.raises(ValueError, match="k_policy"):
+        StackConfig(k_policy="sometimes")
