@@ -30,9 +30,12 @@ SmolLM2-135M-Instruct conversion (``specdec.loader``, if its package is installe
 either the dir has no tokenizer and only token ids can be served.
 
 Init (``build_random_model``): modules are built on the ``meta`` device, materialised with
-``to_empty`` directly on the target device, then filled in place: matrices and embeddings
-``normal_(0, std)`` from a ``torch.Generator`` seeded with the spec's seed on that device,
-norm weights 1, biases 0, rotary buffers recomputed. An 8B bf16 model so inits in about a second
+``to_empty`` directly on the target device, then filled in place: every matrix and embedding
+``W`` of shape ``[..., n]`` gets ``normal_(0, 1 / sqrt(n))`` (variance preserving: each layer's
+output is of the same scale as its input, so the logits depend on the whole network; with a
+flat ``std = 0.02`` a small tied-embedding model only repeats its last input token) from a
+``torch.Generator`` seeded with the spec's seed on that device, norm weights 1, biases 0,
+rotary buffers recomputed. An 8B bf16 model so inits in about a second
 on an H200 (no host copy). Same seed, device and dtype -> identical weights.
 """
 
@@ -51,7 +54,7 @@ RANDOM_MARKER = "minedraft_random.json"
 TOKENIZER_ENV = "MINEDRAFT_RANDOM_TOKENIZER"
 RANDOM_VOCAB_SIZE = 49152          # SmolLM2's vocab
 DEFAULT_SEED = 0
-DEFAULT_INIT_STD = 0.02            # transformers' initializer_range
+FAN_IN_INIT = "normal(0, 1/sqrt(fan_in))"    # the default init, as the marker records it
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
 SMOLLM2_BOS, SMOLLM2_EOS = 1, 2
@@ -130,12 +133,13 @@ def make_config(preset_name: str):
 
 
 def build_random_model(model: str, dtype: torch.dtype, device: str | torch.device,
-                       init_std: float = DEFAULT_INIT_STD):
+                       init_std: float | None = None):
     """Build the causal LM of ``model`` (a random spec) with seeded random weights on ``device``.
 
     Returns:
         a ``PreTrainedModel`` in eval mode, ``dtype`` parameters on ``device`` (rotary
         ``inv_freq`` stays float32), sdpa attention (the loader switches it to slot attention).
+        ``init_std`` None: ``1 / sqrt(fan_in)`` per matrix (module docstring), else that std.
 
     Raises:
         ValueError: bad spec (``parse_spec``) or ``init_std <= 0``.
@@ -143,7 +147,7 @@ def build_random_model(model: str, dtype: torch.dtype, device: str | torch.devic
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     preset, seed = parse_spec(model)
-    if not init_std > 0:
+    if init_std is not None and not init_std > 0:
         raise ValueError(f"init_std must be > 0, got {init_std}")
     device = torch.device(device)
     config = make_config(preset)
@@ -160,8 +164,10 @@ def build_random_model(model: str, dtype: torch.dtype, device: str | torch.devic
     return net.eval()
 
 
-def _fill_parameters(net: torch.nn.Module, init_std: float, generator: torch.Generator) -> None:
-    """Matrices/embeddings ~ N(0, init_std^2) in name order; 1-D norm weights 1, biases 0."""
+def _fill_parameters(net: torch.nn.Module, init_std: float | None,
+                     generator: torch.Generator) -> None:
+    """Matrices/embeddings ~ N(0, std^2) in name order (std: ``init_std`` or
+    ``shape[-1] ** -0.5``); 1-D norm weights 1, biases 0."""
     seen: set[int] = set()
     with torch.no_grad():
         for name, param in net.named_parameters(remove_duplicate=True):
@@ -169,7 +175,8 @@ def _fill_parameters(net: torch.nn.Module, init_std: float, generator: torch.Gen
                 continue
             seen.add(id(param))
             if param.dim() >= 2:
-                param.normal_(0.0, init_std, generator=generator)
+                std = init_std if init_std is not None else param.shape[-1] ** -0.5
+                param.normal_(0.0, std, generator=generator)
             elif name.endswith("bias"):
                 param.zero_()
             else:
@@ -226,7 +233,7 @@ def _write_dir(out_dir: str, model: str, preset: str, seed: int) -> None:
         for name in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(tokenizer_src, name)):
                 shutil.copy(os.path.join(tokenizer_src, name), out_dir)
-    marker = {"spec": model, "preset": preset, "seed": seed, "init_std": DEFAULT_INIT_STD,
+    marker = {"spec": model, "preset": preset, "seed": seed, "init": FAN_IN_INIT,
               "weights": "random weights", "tokenizer_source": tokenizer_src}
     with open(os.path.join(out_dir, RANDOM_MARKER), "w") as fh:
         json.dump(marker, fh, indent=2)

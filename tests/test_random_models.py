@@ -62,7 +62,9 @@ def test_tiny_preset_deterministic_by_seed(preset):
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
     embed = a.get_input_embeddings().weight.detach()
     assert a.lm_head.weight.data_ptr() == embed.data_ptr()                 # tied, as preset says
-    assert abs(float(embed.std()) - 0.02) < 0.002 and abs(float(embed.mean())) < 0.002
+    assert abs(float(embed.std()) - 64 ** -0.5) < 0.002 and abs(float(embed.mean())) < 0.002
+    down = a.model.layers[0].mlp.down_proj.weight.detach()                 # fan_in 128
+    assert abs(float(down.std()) - 128 ** -0.5) < 0.005
     norm_weights = [p for n, p in a.named_parameters() if "norm" in n]
     assert norm_weights and all(torch.equal(p, torch.ones_like(p)) for p in norm_weights)
     inv_freq = a.model.rotary_emb.inv_freq
