@@ -8,7 +8,8 @@ TTFT and end-to-end latency p50/p99, mean acceptance length (ours: usage extensi
 /metrics spec-decode counters), tokens/s per core and, for ours, the step-time split from the
 coordinator's step log; then ratios (``bench.report``) and, at temperature 0, whether the
 speculative systems' outputs equal their ``ar``'s. Outputs in ``--out-dir``: ``results.json``,
-``results.md``, PNG plots, ``outputs/<run>.json`` (per request) and ``logs/<run>/``.
+``results.md``, PNG plots and ``outputs/<run>.json`` (per request); service logs, step logs and
+the vLLM export go to ``--work-dir`` (default ``runs/bench/<name>``, not versioned).
 
 Example (the CI test runs a tiny version)::
 
@@ -44,6 +45,7 @@ class SuiteConfig:
 
     name: str = "cpu"
     out_dir: str = ""
+    work_dir: str = ""
     data: str = DEFAULT_DATA
     num_prompts: int = 24
     tasks: tuple[str, ...] = SPEC_BENCH_TASKS
@@ -131,7 +133,7 @@ def run_system(system: str, cfg: SuiteConfig, m: int, k: int | None, prompts, mo
                export: dict | None, progress) -> list[tuple[dict, dict]]:
     """Start ``system`` once for (m, k), run every temperature, stop it. Returns (record, outputs) pairs."""
     spec = SYSTEMS[system]
-    logs = os.path.join(cfg.out_dir, "logs", _run_id(system, m, k, 0).rsplit("-T", 1)[0])
+    logs = os.path.join(cfg.work_dir or cfg.out_dir, "logs", _run_id(system, m, k, 0).rsplit("-T", 1)[0])
     out = []
     server = _start(system, cfg, m, k or 1, logs, model_dir, export)
     with server as endpoint:
@@ -177,9 +179,11 @@ def run_suite(cfg: SuiteConfig, command: str) -> dict:
     os.makedirs(cfg.out_dir, exist_ok=True)
     prompts = load_spec_bench(cfg.data, cfg.num_prompts, cfg.tasks)
     model_dir = resolve_model_dir(cfg.target)
-    export = export_all(cfg.target, cfg.draft, os.path.join(cfg.out_dir, "vllm_export")) if cfg.has_vllm else None
+    export_dir = os.path.join(cfg.work_dir or cfg.out_dir, "vllm_export")
+    export = export_all(cfg.target, cfg.draft, export_dir) if cfg.has_vllm else None
     stacks = plan(cfg)
     runs, outputs, failures = [], {}, []
+    meta = _meta(cfg, command, export)
     with tqdm(total=len(stacks) * len(cfg.temperatures) * len(prompts), desc=cfg.name, unit="req") as progress:
         for system, m, k in stacks:
             progress.set_postfix_str(_run_id(system, m, k, 0).rsplit("-T", 1)[0])
@@ -190,7 +194,13 @@ def run_suite(cfg: SuiteConfig, command: str) -> dict:
             except RuntimeError as exc:  # a system that cannot start is reported, the others still run
                 failures.append({"system": system, "m": m, "k": k, "error": str(exc)[-3000:]})
                 print(f"\n{system} m={m} k={k} failed: {str(exc)[-600:]}", file=sys.stderr)
-    meta = _meta(cfg, command, export)
+            write_results(cfg, meta, runs, outputs, failures)  # after every system: a crash keeps what ran
+    meta["plots"] = plot(runs, cfg.out_dir, f"({cfg.name}, {meta['date_utc'][:10]}, {meta['git_commit'][:10]})") if runs else []
+    return write_results(cfg, meta, runs, outputs, failures)
+
+
+def write_results(cfg: SuiteConfig, meta: dict, runs: list[dict], outputs: dict, failures: list[dict]) -> dict:
+    """Write ``results.json`` and ``results.md`` (ratios and greedy check recomputed); returns the results."""
     results = {"meta": meta, "runs": runs, "ratios": compute_ratios(runs), "greedy_check": greedy_check(runs, outputs),
                "failures": failures}
     write_json(os.path.join(cfg.out_dir, "results.json"), results)
@@ -198,8 +208,6 @@ def run_suite(cfg: SuiteConfig, command: str) -> dict:
     text += "".join(f"\n**FAILED** {f['system']} m={f['m']} k={f['k']}: `{f['error'][-400:]}`\n" for f in failures)
     with open(os.path.join(cfg.out_dir, "results.md"), "w", encoding="utf-8") as f:
         f.write(text)
-    meta["plots"] = plot(runs, cfg.out_dir, f"({cfg.name}, {meta['date_utc'][:10]}, {meta['git_commit'][:10]})") if runs else []
-    write_json(os.path.join(cfg.out_dir, "results.json"), results)
     return results
 
 
@@ -230,6 +238,7 @@ def parse_args(argv: list[str] | None) -> SuiteConfig:
     p = argparse.ArgumentParser(prog="python -m bench.suite", description=__doc__.split("\n\n")[0])
     p.add_argument("--name", default="cpu")
     p.add_argument("--out-dir", default="", help="default bench/results/suite/<name>")
+    p.add_argument("--work-dir", default="", help="logs and vLLM export; default runs/bench/<name>")
     p.add_argument("--data", default=DEFAULT_DATA, help="Spec-Bench question.jsonl")
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--tasks", default=",".join(SPEC_BENCH_TASKS), help=f"subset of {','.join(SPEC_BENCH_TASKS)}")
@@ -249,6 +258,7 @@ def parse_args(argv: list[str] | None) -> SuiteConfig:
     p.add_argument("--vllm-reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU")
     a = p.parse_args(argv)
     return SuiteConfig(name=a.name, out_dir=a.out_dir or os.path.join("bench", "results", "suite", a.name),
+                       work_dir=a.work_dir or os.path.join("runs", "bench", a.name),
                        data=a.data, num_prompts=a.num_prompts, tasks=tuple(t for t in a.tasks.split(",") if t),
                        max_tokens=a.max_tokens, temperatures=_floats(a.temperatures), ms=_ints(a.m), ks=_ints(a.k),
                        systems=tuple(s for s in a.systems.split(",") if s), target=a.target, draft=a.draft,
