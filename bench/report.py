@@ -122,6 +122,7 @@ def markdown(meta: dict, runs: list[dict], ratios: list[dict], checks: list[dict
             lines.append(f"| {run['system']} | {run['k'] if run['k'] is not None else '-'} | "
                          + " | ".join(cells) + f" | {run['metrics']['num_errors']} |")
         lines.append("")
+    lines += _task_table(runs)
     split_runs = [r for r in runs if r.get("step_split")]
     if split_runs:
         lines += ["## Step-time split (ours, mean ms per coordinator step)", "",
@@ -146,6 +147,21 @@ def markdown(meta: dict, runs: list[dict], ratios: list[dict], checks: list[dict
                   f"{', '.join(c['mismatched_prompt_ids'][:10]) or '-'} |" for c in checks]
         lines.append("")
     return "\n".join(lines)
+
+
+def _task_table(runs: list[dict]) -> list[str]:
+    """Per Spec-Bench task: mean acceptance length (ours only; vLLM reports no per-request counts)
+    and end-to-end latency p50 (ms)."""
+    tasks = sorted({t for r in runs for t in r.get("by_task", {})})
+    if not tasks:
+        return []
+    lines = ["## Per Spec-Bench task: mean acceptance length / latency p50 (ms)", "",
+             "| run | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
+    for run in runs:
+        cells = [f"{_fmt(t.get('mean_acceptance_length'), 2)} / {_fmt(t.get('latency_ms_p50'), 0)}"
+                 for t in (run.get("by_task", {}).get(task, {}) for task in tasks)]
+        lines.append(f"| {run['run_id']} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def plot(runs: list[dict], out_dir: str, title_suffix: str) -> list[str]:

@@ -98,8 +98,10 @@ def test_greedy_check_compares_with_the_family_ar():
         run["metrics"].update({k: 1.0 for k in ("requests_per_s", "ttft_ms_p50", "ttft_ms_p99", "latency_ms_p99",
                                                 "mean_acceptance_length", "num_cores", "output_tokens_per_s_per_core",
                                                 "num_errors")})
+    runs[1]["by_task"] = {"qa": {"mean_acceptance_length": 1.5, "latency_ms_p50": 12.0}}
     text = markdown(meta, runs, compute_ratios(runs), list(checks.values()))
     assert "## temperature 1.0, m = 4" in text and "| psd-k4-m4-T0 | ar-kNone-m4-T0 | 1 / 2 | 2 |" in text
+    assert "| run | qa |" in text and "| psd-k4-m4-T0 | 1.50 / 12 |" in text and "| ar-kNone-m4-T0 | - / - |" in text
 
 
 def test_vllm_spec_counters_sum_label_sets():
