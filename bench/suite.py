@@ -63,6 +63,7 @@ class SuiteConfig:
     vllm_python: str = DEFAULT_VLLM_PYTHON
     vllm_kv_cache_gib: int = 2
     vllm_reserved_cpus: int = 1
+    vllm_args: tuple[str, ...] = ()
     startup_timeout_s: float = 1200.0
 
     def __post_init__(self) -> None:
@@ -119,7 +120,7 @@ def _start(system: str, cfg: SuiteConfig, m: int, k: int, logs: str, model_dir: 
         return OursSystem(spec, model_dir, cfg.target, cfg.draft, m, k, cfg.max_model_len, logs,
                           cfg.startup_timeout_s)
     return VllmSystem(spec, cfg.vllm_python, export["target"], export["draft"], m, k, cfg.max_model_len, logs,
-                      cfg.vllm_kv_cache_gib, cfg.vllm_reserved_cpus, cfg.startup_timeout_s)
+                      cfg.vllm_kv_cache_gib, cfg.vllm_reserved_cpus, cfg.startup_timeout_s, cfg.vllm_args)
 
 
 def _spec_counts(before: dict, after: dict) -> SpecCounts | None:
@@ -256,6 +257,7 @@ def parse_args(argv: list[str] | None) -> SuiteConfig:
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     p.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--vllm-reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU")
+    p.add_argument("--vllm-args", default="", help="extra vLLM server arguments (one string, shell-split)")
     a = p.parse_args(argv)
     return SuiteConfig(name=a.name, out_dir=a.out_dir or os.path.join("bench", "results", "suite", a.name),
                        work_dir=a.work_dir or os.path.join("runs", "bench", a.name),
@@ -264,7 +266,7 @@ def parse_args(argv: list[str] | None) -> SuiteConfig:
                        systems=tuple(s for s in a.systems.split(",") if s), target=a.target, draft=a.draft,
                        max_model_len=a.max_model_len, ignore_eos=a.ignore_eos, seed=a.seed, num_warmup=a.num_warmup,
                        vllm_python=a.vllm_python, vllm_kv_cache_gib=a.vllm_kv_cache_gib,
-                       vllm_reserved_cpus=a.vllm_reserved_cpus)
+                       vllm_reserved_cpus=a.vllm_reserved_cpus, vllm_args=tuple(shlex.split(a.vllm_args)))
 
 
 def main(argv: list[str] | None = None) -> int:

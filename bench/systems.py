@@ -155,13 +155,14 @@ class VllmSystem:
         python: the vLLM environment's interpreter (``.venv-vllm/bin/python``).
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache; the CPU build's memory knob).
         reserved_cpus: ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (cores left to the API server).
+        extra_args: appended to the server's command line (e.g. ``-O0`` to skip compilation).
     Raises (on enter):
         RuntimeError: the server exited or was not healthy within ``startup_timeout_s``.
     """
 
     def __init__(self, spec: SystemSpec, python: str, target_dir: str, draft_dir: str, m: int, k: int,
                  max_model_len: int, logs_dir: str, kv_cache_gib: int = 2, reserved_cpus: int = 1,
-                 startup_timeout_s: float = 900.0) -> None:
+                 startup_timeout_s: float = 900.0, extra_args: tuple[str, ...] = ()) -> None:
         from minedraft.stack import free_loopback_ports
 
         (port,) = free_loopback_ports(1)
@@ -178,7 +179,7 @@ class VllmSystem:
                                  "prompt_lookup_min": 2}}.get(spec.mode)
         if speculative is not None:
             argv += ["--speculative-config", json.dumps(speculative)]
-        self.argv = argv
+        self.argv = argv + list(extra_args)
         self._env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
                      "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus), "VLLM_NO_USAGE_STATS": "1",
                      "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
