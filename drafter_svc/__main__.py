@@ -3,7 +3,8 @@
 Start-up: bind and report NOT_SERVING -> load the draft model (and read the target's vocab
 size, so draft probs are padded to it) -> warm-up (add + draft + release of a dummy request)
 -> SERVING. With ``--data-plane dist`` the drafter hosts the data plane's TCPStore on
-``--dist-addr:--dist-port`` and serves draft-probs fetches from the verifier (specdec.dataplane).
+``--dist-addr:--dist-port`` and serves draft-probs fetches from the verifier (specdec.dataplane);
+with ``--data-plane ipc`` it writes them into shared buffers (specdec.dataplane_ipc).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="target model (alias/dir): draft probs are padded to its vocab and "
                              "its tokenizer is checked against the draft's")
     parser.add_argument("--max-buffered-steps", type=int, default=8,
-                        help="dist plane: drafted steps kept for the verifier's fetch")
+                        help="dist/ipc plane: drafted steps kept for the verifier's fetch")
     add_common_args(parser, DEFAULT_PORT)
     return parser.parse_args(argv)
 
@@ -87,13 +88,22 @@ def load_worker(args: argparse.Namespace):
 
 
 def _probs_server(args: argparse.Namespace):
+    if args.data_plane == "ipc":
+        from specdec.dataplane_ipc import IpcPlaneConfig, IpcProbsServer
+
+        server = IpcProbsServer(IpcPlaneConfig(name=args.ipc_name, device=args.device,
+                                               num_slots=args.max_buffered_steps,
+                                               max_batch_size=args.max_num_seqs))
+        server.start()
+        return server
     if args.data_plane != "dist":
         return None
     from specdec.dataplane import DistPlaneConfig, DraftProbsServer
 
     server = DraftProbsServer(DistPlaneConfig(addr=args.dist_addr, port=args.dist_port,
                                               connect_timeout_s=args.dist_timeout_s,
-                                              max_buffered_steps=args.max_buffered_steps))
+                                              max_buffered_steps=args.max_buffered_steps,
+                                              device=args.device))
     server.start()
     return server
 

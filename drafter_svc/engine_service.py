@@ -35,7 +35,10 @@ from specdec.sampling import TOP_K_OFF, SamplingParams
 from specdec.tensor_proto import TensorDecodeError
 
 T = TypeVar("T")
-DATA_PLANE_NAMES = {"inline": engine_pb2.DATA_PLANE_INLINE, "dist": engine_pb2.DATA_PLANE_DIST}
+# "dist" and "ipc" are both out of band on the wire (DATA_PLANE_DIST: the coordinator passes step
+# ids only); the services pick the transport: torch.distributed (NCCL/gloo) or same-host IPC
+DATA_PLANE_NAMES = {"inline": engine_pb2.DATA_PLANE_INLINE, "dist": engine_pb2.DATA_PLANE_DIST,
+                    "ipc": engine_pb2.DATA_PLANE_DIST}
 _WIRE_TOP_P_UNSET = 0.0  # proto3 default: "unset" -> 1 (off)
 
 
@@ -151,7 +154,9 @@ def add_common_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S, help="drain time on SIGTERM")
     parser.add_argument("--data-plane", choices=sorted(DATA_PLANE_NAMES), default="inline",
-                        help="how draft probs travel: inline gRPC or torch.distributed")
+                        help="how draft probs travel: inline gRPC, torch.distributed (NCCL between "
+                             "GPUs, else gloo) or ipc (same host: CUDA IPC / shared memory)")
+    parser.add_argument("--ipc-name", default="minedraft", help="ipc data plane: shared file name stem")
     parser.add_argument("--dist-addr", default=DEFAULT_DIST_ADDR, help="dist data plane TCPStore host")
     parser.add_argument("--dist-port", type=int, default=DEFAULT_DIST_PORT, help="dist data plane TCPStore port")
     parser.add_argument("--dist-timeout-s", type=float, default=300.0, help="dist data plane connect timeout")

@@ -19,7 +19,9 @@ from minedraft.placement import NO_GPU, NO_GPUS, Placement
 MODES = ("ar", "sd", "psd", "auto")  # auto: the coordinator picks ar / sd / psd per step (coordinator.auto_mode)
 K_POLICIES = ("fixed", "adaptive")  # coordinator.adaptive
 BALANCERS = ("paper", "feedback")  # coordinator.balancer
-DATA_PLANES = ("inline", "dist")
+DATA_PLANES = ("inline", "dist", "ipc")
+# ipc and dist are both out of band for the coordinator (it passes step ids; the engines pick the transport)
+_COORDINATOR_PLANE = {"inline": "inline", "dist": "dist", "ipc": "dist"}
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT_DIR = "drafts/smollm2-135m-instruct"  # written by `minedraft distill` (issue 4)
 DEFAULT_TRUNCATED_LAYERS = (0, 1, 2, 3)  # untrained fallback draft: the target's first layers
@@ -37,7 +39,8 @@ class StackConfig:
         num_speculative_tokens: k, draft tokens per request and step.
         max_num_seqs: m, requests per batch; the engines get ``2m`` KV slots (PSD keeps 2 batches).
         tensor_parallel_size: verifier ranks (torchrun when > 1).
-        data_plane: ``inline`` (draft probs in gRPC) or ``dist`` (torch.distributed).
+        data_plane: ``inline`` (draft probs in gRPC), ``dist`` (torch.distributed: NCCL between
+            GPUs, else gloo) or ``ipc`` (same host: CUDA IPC / shared memory; specdec.dataplane_ipc).
         target: target model alias or dir; draft: draft dir ("" = default, see ``resolve_draft_dir``).
         max_model_len: tokens (prompt + output) per request, same in every service.
         dtype: engine parameter / KV dtype.
@@ -197,7 +200,7 @@ def _engine_args(cfg: StackConfig, port: int, num_threads: int) -> list[str]:
     return ["--dtype", cfg.dtype, "--max-num-seqs", str(cfg.num_engine_slots),
             "--max-model-len", str(cfg.max_model_len), "--num-threads", str(num_threads),
             "--host", cfg.host, "--port", str(port), "--data-plane", cfg.data_plane,
-            "--dist-port", str(cfg.dist_port)]
+            "--dist-port", str(cfg.dist_port), "--ipc-name", f"stack-{cfg.dist_port}"]
 
 
 def verifier_spec(cfg: StackConfig, model_dir: str) -> ServiceSpec:
@@ -229,7 +232,7 @@ def drafter_spec(cfg: StackConfig, model_dir: str, draft_dir: str) -> ServiceSpe
 def coordinator_spec(cfg: StackConfig) -> ServiceSpec:
     argv = [sys.executable, "-m", "coordinator", "--mode", cfg.mode,
             "--k", str(cfg.num_speculative_tokens),
-            "--max-num-seqs", str(cfg.max_num_seqs), "--data-plane", cfg.data_plane,
+            "--max-num-seqs", str(cfg.max_num_seqs), "--data-plane", _COORDINATOR_PLANE[cfg.data_plane],
             "--drafter", f"{cfg.host}:{cfg.drafter_port}", "--verifier", f"{cfg.host}:{cfg.verifier_port}",
             "--host", cfg.host, "--port", str(cfg.coordinator_port), "--metrics-port", str(cfg.metrics_port),
             "--k-policy", cfg.k_policy, "--balancer", cfg.balancer]

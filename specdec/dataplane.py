@@ -9,10 +9,12 @@ drafter produces no probs and nothing but ids travels.
 Planes (``--data-plane``):
 - ``inline``: probs are ``DraftResponse.draft_probs`` -> coordinator -> ``VerifyRequest.draft_probs``
   (``specdec.tensor_proto``); nothing in this module is used.
-- ``dist``: torch.distributed point-to-point in a 2-rank gloo group of its own (a
-  ``ProcessGroupGloo`` over a ``TCPStore`` on ``addr:port``, default 127.0.0.1:29600), separate
-  from the verifier's tensor-parallel world. Rank 0 = drafter (hosts the store), rank 1 =
-  verifier rank 0. Tensors cross as CPU bytes (gloo); a GPU-to-GPU NCCL pair is not done yet.
+- ``dist``: torch.distributed point-to-point in a 2-rank group of its own (``TCPStore`` on
+  ``addr:port``, default 127.0.0.1:29600), separate from the verifier's tensor-parallel world.
+  Rank 0 = drafter (hosts the store), rank 1 = verifier rank 0. Control messages use gloo;
+  the probs use NCCL GPU to GPU in their exact dtype when both ends are CUDA
+  (``specdec.dataplane_nccl``), else gloo as raw CPU bytes (the CPU twin).
+- ``ipc``: shared buffers on one host (CUDA IPC / /dev/shm), ``specdec.dataplane_ipc``.
 
 Protocol of the dist plane ("send only on demand", so a send can never be left unreceived):
 1. Draft(step_id) on the drafter: ``DraftProbsServer.publish(step_id, request_ids, probs)``
@@ -22,8 +24,8 @@ Protocol of the dist plane ("send only on demand", so a send can never be left u
    the request as TCPStore key ``fetch/<n>`` = ``draft_step_id`` (n counts requests), then
    receives over the gloo group ``int64[6] = [status, num_id_bytes, dtype_code, b, k, V]``;
    if status is FOUND it then receives the request ids (utf-8, NUL-separated,
-   uint8[num_id_bytes]) and the probs as raw bytes uint8[b*k*V*itemsize] in their exact
-   dtype. The drafter's serving thread waits on the store key, answers, and removes the
+   uint8[num_id_bytes]) and the probs: NCCL ``dtype[b, k, V]`` on its device, or gloo raw
+   bytes uint8[b*k*V*itemsize], exact dtype either way. The drafter's serving thread waits on the store key, answers, and removes the
    entry from the buffer. The verifier keeps the rows of the
    request ids it verifies (a request aborted between draft and verify is simply not asked
    for) and broadcasts them in its TP group.
@@ -41,70 +43,46 @@ import collections
 import datetime
 import logging
 import threading
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from specdec import dataplane_nccl as nccl
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_DIST_ADDR = "127.0.0.1"
-DEFAULT_DIST_PORT = 29600
-DRAFTER_RANK = 0
-VERIFIER_RANK = 1
-WORLD_SIZE = 2
-REQUEST_KEY_PREFIX = "fetch/"
-CLOSE_REQUEST = "close"
-_IDLE_WAIT = datetime.timedelta(hours=1)  # a fetch request may be long in coming; loop after
-STATUS_MISSING = 0
-STATUS_FOUND = 1
-ID_SEPARATOR = "\0"
-_HEADER_LEN = 6
-# one op may wait long for the next request (idle service); a dead peer fails the socket sooner
-_OP_TIMEOUT = datetime.timedelta(days=7)
-_DTYPE_CODES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+from specdec.dataplane_common import (  # noqa: F401 (re-exported: the plane's public names)
+    DEFAULT_DIST_ADDR,
+    DEFAULT_DIST_PORT,
+    DRAFTER_RANK,
+    VERIFIER_RANK,
+    WORLD_SIZE,
+    REQUEST_KEY_PREFIX,
+    CLOSE_REQUEST,
+    _IDLE_WAIT,
+    STATUS_MISSING,
+    STATUS_FOUND,
+    ID_SEPARATOR,
+    _HEADER_LEN,
+    _OP_TIMEOUT,
+    _DTYPE_CODES,
+    DraftProbsMissingError,
+    DataPlaneUnavailableError,
+    DistPlaneConfig,
+)
 
 
-class DraftProbsMissingError(LookupError):
-    """The drafter holds no probs for the requested step (never drafted sampled, or evicted)."""
-
-
-class DataPlaneUnavailableError(RuntimeError):
-    """The dist data plane is not connected (the drafter never joined within the timeout)."""
-
-
-@dataclass(frozen=True)
-class DistPlaneConfig:
-    """Address of the dist data plane's TCPStore and buffer bound.
-
-    Raises ValueError naming the field.
-    """
-
-    addr: str = DEFAULT_DIST_ADDR
-    port: int = DEFAULT_DIST_PORT
-    connect_timeout_s: float = 300.0
-    max_buffered_steps: int = 8
-
-    def __post_init__(self) -> None:
-        if not self.addr:
-            raise ValueError("addr must not be empty")
-        if not 1 <= self.port <= 65535:
-            raise ValueError(f"port must be in [1, 65535], got {self.port}")
-        if self.connect_timeout_s <= 0:
-            raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
-        if self.max_buffered_steps < 1:
-            raise ValueError(f"max_buffered_steps must be >= 1, got {self.max_buffered_steps}")
-
-
-def _connect(cfg: DistPlaneConfig, rank: int) -> tuple[dist.TCPStore, dist.ProcessGroupGloo]:
-    """Rendezvous of the 2-rank group; blocks until both ranks joined (or connect timeout)."""
+def _connect(cfg: DistPlaneConfig, rank: int):
+    """Rendezvous of the 2-rank group; blocks until both ranks joined (or connect timeout).
+    Returns (store, gloo group, NCCL bulk group or None)."""
     store = dist.TCPStore(
         cfg.addr, cfg.port, WORLD_SIZE, rank == DRAFTER_RANK,
         timeout=datetime.timedelta(seconds=cfg.connect_timeout_s),
     )
     # the group gets its own key space, so our request keys never clash with its rendezvous
     group = dist.ProcessGroupGloo(dist.PrefixStore("group/", store), rank, WORLD_SIZE, _OP_TIMEOUT)
-    return store, group
+    peer_type = nccl.post_device_and_read_peer(store, rank, WORLD_SIZE - 1 - rank, cfg.device, cfg.connect_timeout_s)
+    return store, group, nccl.make_bulk_group(store, rank, WORLD_SIZE, cfg.device, peer_type)
 
 
 def _send(group: dist.ProcessGroupGloo, tensor: torch.Tensor, peer: int) -> None:
@@ -141,6 +119,7 @@ class DraftProbsServer:
         self.is_connected = threading.Event()
         self.num_evicted = 0
         self._num_requests = 0
+        self._bulk = None  # NCCL group when both ends are CUDA
 
     def start(self) -> None:
         """Connect and serve in a daemon thread (does not wait for the verifier)."""
@@ -177,7 +156,8 @@ class DraftProbsServer:
         if any(ID_SEPARATOR in rid for rid in request_ids):
             raise ValueError("request ids must not contain NUL")
         with self._lock:
-            self._buffer[step_id] = (tuple(request_ids), probs.detach().to("cpu").contiguous())
+            kept = probs.detach() if probs.is_cuda else probs.detach().to("cpu")  # NCCL sends from the GPU
+            self._buffer[step_id] = (tuple(request_ids), kept.contiguous())
             while len(self._buffer) > self.cfg.max_buffered_steps:
                 self._buffer.popitem(last=False)
                 self.num_evicted += 1
@@ -188,7 +168,7 @@ class DraftProbsServer:
 
     def _serve(self) -> None:
         try:
-            store, group = _connect(self.cfg, DRAFTER_RANK)
+            store, group, self._bulk = _connect(self.cfg, DRAFTER_RANK)
             self.is_connected.set()
             while not self._stop.is_set():
                 if not _wait_request(store, self._num_requests):
@@ -217,7 +197,9 @@ class DraftProbsServer:
         _send(group, torch.tensor(header, dtype=torch.int64), VERIFIER_RANK)
         if id_bytes.numel():
             _send(group, id_bytes, VERIFIER_RANK)
-        if probs.numel():
+        if probs.numel() and self._bulk is not None:
+            nccl.send_probs(self._bulk, probs, VERIFIER_RANK, self.cfg.device)
+        elif probs.numel():
             _send(group, _as_bytes(probs), VERIFIER_RANK)
 
 
@@ -228,6 +210,7 @@ class DraftProbsClient:
         self.cfg = cfg
         self._store: dist.TCPStore | None = None
         self._group: dist.ProcessGroupGloo | None = None
+        self._bulk = None  # NCCL group when both ends are CUDA
         self._lock = threading.Lock()
         self._connected = threading.Event()
         self._num_requests = 0
@@ -236,7 +219,7 @@ class DraftProbsClient:
         """Join the group; blocks until the drafter joined (RuntimeError after
         ``connect_timeout_s``)."""
         if self._group is None:
-            self._store, self._group = _connect(self.cfg, VERIFIER_RANK)
+            self._store, self._group, self._bulk = _connect(self.cfg, VERIFIER_RANK)
             self._connected.set()
 
     def _post(self, request: str) -> None:
@@ -279,7 +262,7 @@ class DraftProbsClient:
         rows = [row_of[rid] for rid in request_ids]
         if rows == list(range(len(drafted_ids))):
             return probs
-        return probs[torch.tensor(rows, dtype=torch.long)]
+        return probs[torch.tensor(rows, dtype=torch.long, device=probs.device)]
 
     def _fetch_all(self, group, step_id: int) -> tuple[list[str], torch.Tensor]:
         self._post(str(int(step_id)))
@@ -291,11 +274,13 @@ class DraftProbsClient:
         if num_id_bytes:
             _recv(group, id_bytes, DRAFTER_RANK)
         dtype = _DTYPE_CODES[dtype_code]
+        drafted_ids = id_bytes.numpy().tobytes().decode().split(ID_SEPARATOR) if num_id_bytes else []
+        if self._bulk is not None and b * k * vocab:
+            return drafted_ids, nccl.recv_probs(self._bulk, (b, k, vocab), dtype, DRAFTER_RANK, self.cfg.device)
         itemsize = torch.empty((), dtype=dtype).element_size()
         raw = torch.empty(b * k * vocab * itemsize, dtype=torch.uint8)
         if raw.numel():
             _recv(group, raw, DRAFTER_RANK)
-        drafted_ids = id_bytes.numpy().tobytes().decode().split(ID_SEPARATOR) if num_id_bytes else []
         return drafted_ids, raw.view(dtype).reshape(b, k, vocab)
 
     def close(self) -> None:
@@ -307,5 +292,5 @@ class DraftProbsClient:
                 self._post(CLOSE_REQUEST)
             except Exception as exc:  # the drafter (store host) already stopped
                 logger.info("dist data plane: close not delivered (%s)", exc)
-            self._store = self._group = None
+            self._store = self._group = self._bulk = None
             self._connected.clear()

@@ -4,7 +4,8 @@ Tensor parallel: ``torchrun --nproc-per-node N -m verifier_svc ...``; every rank
 (``tp_plan="auto"``), rank 0 serves gRPC and broadcasts the commands (verifier_svc.tp).
 Start-up: bind and report NOT_SERVING -> load the model -> warm-up (add + verify + release of
 a dummy request, on every rank) -> SERVING. With ``--data-plane dist`` rank 0 joins the
-drafter's data-plane group on ``--dist-addr:--dist-port`` (specdec.dataplane).
+drafter's data-plane group on ``--dist-addr:--dist-port`` (specdec.dataplane); with ``ipc`` it
+maps the drafter's shared buffers (specdec.dataplane_ipc).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import signal
 from drafter_svc.engine_service import DATA_PLANE_NAMES, add_common_args
 from minedraft import telemetry
 from minedraft.serving import ServerOptions, build_server, serve_until_signal
-from minedraft.v1 import engine_pb2, engine_pb2_grpc
+from minedraft.v1 import engine_pb2
 from verifier_svc.tp import TPContext
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -61,7 +62,7 @@ def load_engine(args: argparse.Namespace, ctx: TPContext):
     worker = TargetWorker(ModelRunner(model_cfg, cache_cfg, model=model), seed=args.seed,
                           fixed_acceptance=_fixed_acceptance(args))
     channel = CommandChannel(device) if ctx.is_distributed else None
-    return VerifierEngine(worker, channel, _probs_client(args, ctx), seed=args.seed)
+    return VerifierEngine(worker, channel, _probs_client(args, ctx, device), seed=args.seed)
 
 
 def _fixed_acceptance(args: argparse.Namespace):
@@ -79,13 +80,19 @@ def _fixed_acceptance(args: argparse.Namespace):
     return config
 
 
-def _probs_client(args: argparse.Namespace, ctx: TPContext):
-    if args.data_plane != "dist" or not ctx.is_driver:
+def _probs_client(args: argparse.Namespace, ctx: TPContext, device: str):
+    """Rank 0's draft-probs client for ``--data-plane dist`` or ``ipc`` (None otherwise)."""
+    if args.data_plane not in ("dist", "ipc") or not ctx.is_driver:
         return None
+    if args.data_plane == "ipc":
+        from specdec.dataplane_ipc import IpcPlaneConfig, IpcProbsClient
+
+        return IpcProbsClient(IpcPlaneConfig(name=args.ipc_name, device=device,
+                                             connect_timeout_s=args.dist_timeout_s))
     from specdec.dataplane import DistPlaneConfig, DraftProbsClient
 
     client = DraftProbsClient(DistPlaneConfig(addr=args.dist_addr, port=args.dist_port,
-                                              connect_timeout_s=args.dist_timeout_s))
+                                              connect_timeout_s=args.dist_timeout_s, device=device))
     client.start_connect()
     return client
 
@@ -97,6 +104,8 @@ async def serve(args: argparse.Namespace, ctx: TPContext) -> None:
     server, health, port = await build_server(
         [SERVICE_NAME], ServerOptions(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes))
     servicer = VerifierServicer(_served_name(args), DATA_PLANE_NAMES[args.data_plane], ctx.world_size)
+    from minedraft.v1 import engine_pb2_grpc  # here: load_engine (bench, TP checks) needs no gRPC stubs
+
     engine_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
     await server.start()
     logger.info("verifier listening on %s:%d (NOT_SERVING until warm-up)", args.host, port)

@@ -11,7 +11,9 @@ Command wire format (never pickled), all by ``torch.distributed.broadcast`` from
 2. payload ``uint8[payload_len]``: the serialized protobuf of the command
    (ADD: ``AddRequestsRequest``, VERIFY: ``VerifyRequest`` without its probs, RELEASE:
    ``ReleaseRequest``; SHUTDOWN has no payload);
-3. VERIFY with draft probs: their raw bytes ``uint8[b*k*V*itemsize]`` (b, k from the payload).
+3. VERIFY with draft probs: on CUDA (NCCL) the tensor ``dtype[b, k, V]`` itself, broadcast from
+   rank 0's GPU (no host copy); on CPU (gloo) its raw bytes ``uint8[b*k*V*itemsize]``
+   (b, k from the payload). Either way every rank gets the exact dtype.
 
 Slot KV cache under TP: each rank's attention sees ``num_heads / N`` query heads and
 ``num_kv_heads / N`` key/value heads, while transformers leaves the model config at the global
@@ -147,7 +149,10 @@ class CommandChannel:
         if payload:
             self._broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         if probs is not None and probs.numel():
-            self._broadcast(probs.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+            if self.device.type == "cuda":
+                dist.broadcast(probs.detach().to(self.device).contiguous(), src=0)
+            else:
+                self._broadcast(probs.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
 
     def receive(self) -> tuple[int, bytes, int]:
         """Ranks > 0: the next command's ``(kind, payload, probs_dtype_code)``."""
@@ -165,4 +170,8 @@ class CommandChannel:
         num_bytes = shape[0] * shape[1] * shape[2] * torch.empty((), dtype=dtype).element_size()
         if not num_bytes:
             return torch.empty(shape, dtype=dtype)
+        if self.device.type == "cuda":
+            probs = torch.empty(shape, dtype=dtype, device=self.device)
+            dist.broadcast(probs, src=0)
+            return probs
         return self._broadcast(torch.empty(num_bytes, dtype=torch.uint8)).view(dtype).reshape(shape)
