@@ -8,7 +8,8 @@ import argparse
 import sys
 
 from minedraft.placement import DEVICES, NO_GPU, default_dtype, parse_gpu_list
-from minedraft.stack import BALANCERS, DATA_PLANES, DEFAULT_TARGET, K_POLICIES, MODES, StackConfig
+from minedraft.stack import (BALANCERS, DATA_PLANES, DEFAULT_TARGET, K_POLICIES, MODES, StackConfig,
+                             default_data_plane)
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 DEFAULT_PROMPTS = "../shared/data/spec_bench/question.jsonl"
@@ -20,7 +21,9 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens: draft tokens per step")
     p.add_argument("--max-num-seqs", type=int, default=4, help="m: requests per batch (engines get 2m KV slots)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the verifier (torchrun when > 1)")
-    p.add_argument("--data-plane", choices=DATA_PLANES, default="inline", help="how draft probs travel")
+    p.add_argument("--data-plane", choices=DATA_PLANES, default=None,
+                   help="how draft probs travel (default: ipc on cuda, the fastest on one host: "
+                        "BENCHMARKS.md 'GPU: data plane and TP'; inline on cpu)")
     p.add_argument("--target", default=DEFAULT_TARGET, help="target model: alias, HF dir or .gguf")
     p.add_argument("--draft", default="", help="draft dir (default: drafts/smollm2-135m-instruct if present, "
                                                "else the target's first 4 layers, untrained)")
@@ -51,7 +54,8 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
 def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
     """StackConfig from the ``up`` flags (raises ValueError naming a bad field)."""
     return StackConfig(mode=mode, num_speculative_tokens=args.k, max_num_seqs=args.max_num_seqs,
-                       tensor_parallel_size=args.tp, data_plane=args.data_plane, target=args.target,
+                       tensor_parallel_size=args.tp, data_plane=args.data_plane or default_data_plane(args.device),
+                       target=args.target,
                        draft=args.draft, max_model_len=args.max_model_len,
                        dtype=args.dtype or default_dtype(args.device), device=args.device,
                        verifier_gpus=parse_gpu_list(args.verifier_gpus), drafter_gpu=args.drafter_gpu,

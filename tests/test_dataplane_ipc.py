@@ -180,3 +180,14 @@ def test_stack_runs_engines_on_ipc_and_the_coordinator_out_of_band():
     drafter = drafter_spec(cfg, "target-dir", "draft-dir").argv
     assert drafter[drafter.index("--data-plane") + 1] == "ipc"
     assert drafter[drafter.index("--ipc-name") + 1] == f"stack-{cfg.dist_port}"
+
+
+def test_default_data_plane_is_ipc_on_gpu_and_inline_on_cpu():
+    from minedraft.cli import build_parser, stack_config
+    from minedraft.stack import default_data_plane
+
+    assert default_data_plane("cuda") == "ipc" and default_data_plane("cpu") == "inline"
+    assert stack_config(build_parser().parse_args(["up"]), "psd").data_plane == "inline"
+    assert stack_config(build_parser().parse_args(["up", "--device", "cuda"]), "psd").data_plane == "ipc"
+    assert stack_config(build_parser().parse_args(["up", "--device", "cuda", "--data-plane", "dist"]),
+                        "psd").data_plane == "dist"
