@@ -203,7 +203,7 @@ def run_pair(args, parts: tuple[str, str], target: str, draft: str, fixed_accept
             report.skip(part, "all runs", "time budget")
         return
     model_dir = resolve_model_dir(target)
-    cfg = engine_config(args, target, draft, 0, 1, fixed_acceptance, dtype)
+    cfg = engine_config(args, target, draft, 0, args.drafter_gpu, fixed_acceptance, dtype)
     report.note(modes_part, f"engine dtype {cfg.dtype}")
     engines = Engines(f"{modes_part}-engines", args.logs_dir)
     extra = Engines(f"{replicas_part}-engines", args.logs_dir)
@@ -213,7 +213,9 @@ def run_pair(args, parts: tuple[str, str], target: str, draft: str, fixed_accept
         report.note(modes_part, f"engines SERVING after {time.monotonic() - start:.1f} s")
         if modes_part in args.parts:
             run_modes(args, modes_part, cfg, model_dir, budget, report, log)
-        if replicas_part in args.parts and budget.allows(f"part {replicas_part} engines", log):
+        if replicas_part in args.parts and args.device == "cuda" and args.drafter_gpu == 0:
+            report.skip(replicas_part, "2x sd", "one GPU (--drafter-gpu 0): no second replica GPU")
+        elif replicas_part in args.parts and budget.allows(f"part {replicas_part} engines", log):
             replicas = _replica_configs(cfg, args.device)
             extra.start([drafter_spec(replicas[0], model_dir, resolve_draft_dir(cfg, model_dir)),
                          verifier_spec(replicas[1], model_dir)], log)
@@ -232,6 +234,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--dtype", default=None, help="parts a/b engine dtype (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--paper-dtype", default=None, help="parts c/d engine dtype (default as --dtype)")
+    p.add_argument("--drafter-gpu", type=int, choices=(0, 1), default=1,
+                   help="the drafter's GPU in parts a/c (0: shares the verifier's GPU, one-GPU machines)")
     p.add_argument("--target", default="smollm2-135m-instruct", help="parts a/b target (alias, dir or .gguf)")
     p.add_argument("--draft", default="drafts/smollm2-135m-instruct", help="parts a/b draft dir")
     p.add_argument("--paper-target", default="random:llama-8b", help="parts c/d target")

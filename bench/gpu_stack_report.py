@@ -30,7 +30,7 @@ TITLES = {"a": "{target} target + {draft} draft, verifier {gpu0}, drafter {gpu1}
 def title(part: str, config: dict) -> str:
     """The heading of a part, naming its models and where they ran."""
     is_cuda = config.get("device") == "cuda"
-    places = dict(gpu0="GPU 0" if is_cuda else "cpu", gpu1="GPU 1" if is_cuda else "cpu",
+    places = dict(gpu0="GPU 0" if is_cuda else "cpu", gpu1=f"GPU {config.get('drafter_gpu', 1)}" if is_cuda else "cpu",
                   gpu="GPU" if is_cuda else "engine pair")
     return TITLES[part].format(**places, **{key: config.get(key) for key in
                                             ("target", "draft", "paper_target", "paper_draft")})
