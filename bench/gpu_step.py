@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.gpu_step_identity import greedy_identity  # noqa: E402
 from bench.gpu_step_report import write_markdown  # noqa: E402
 from specdec.config import CacheConfig, ModelConfig  # noqa: E402
 from specdec.random_models import is_random_spec  # noqa: E402
@@ -116,102 +117,53 @@ def time_steps(runner: ModelRunner, batch: int, num_tokens: int, context_len: in
     return statistics.median(times[NUM_WARMUP:]), logits
 
 
-def bench_model(spec: str, args, device: torch.device, floor_gb_per_s: float | None) -> dict:
-    """Decode and verify step times, eager vs graphs, for one model."""
+def bench_model(spec: str, args, device: torch.device, floor_gb_per_s: float | None,
+                modes: dict[str, dict], eager_logits: dict) -> dict:
+    """Decode and verify step times of ``spec`` for each mode (ModelConfig overrides).
+
+    The ``eager`` mode's logits are kept in ``eager_logits`` (per spec, kind, batch) to compare
+    later modes against; each other mode gives one result row per (kind, batch).
+    """
     cache = CacheConfig(max_num_seqs=max(args.batches), max_model_len=args.max_model_len)
-    on_gpu = device.type == "cuda"
-    modes = {"eager": ModelConfig(model=spec, dtype=args.dtype, device=str(device),
-                                  cuda_graphs=False),
-             "graphs" if on_gpu else "static_eager": ModelConfig(
-                 model=spec, dtype=args.dtype, device=str(device), static_shapes=True)}
-    rows, info = [], {"model": spec, "weights": "random weights" if is_random_spec(spec)
-                      else "real weights", "dtype": args.dtype}
-    for mode, cfg in modes.items():
+    info = {"model": spec, "weights": "random weights" if is_random_spec(spec) else "real weights",
+            "dtype": args.dtype, "steps": []}
+    for mode, overrides in modes.items():
         start = time.perf_counter()
-        runner = ModelRunner(cfg, cache)
+        runner = ModelRunner(ModelConfig(model=spec, dtype=args.dtype, device=str(device),
+                                         **overrides), cache)
         _sync(device)
         info[f"load_s_{mode}"] = time.perf_counter() - start
         info["weight_bytes"], info["step_read_bytes"] = runner.weight_bytes, step_read_bytes(runner)
+        info["floor_ms"] = (None if floor_gb_per_s is None
+                            else info["step_read_bytes"] / floor_gb_per_s / 1e6)
         for batch in args.batches:
             for kind, num_tokens in (("decode", 1), ("verify", args.k + 1)):
                 ms, logits = time_steps(runner, batch, num_tokens, args.context_len, args.iters,
                                         seed=batch)
-                rows.append(dict(kind=kind, batch=batch, tokens_per_row=num_tokens, mode=mode,
-                                 ms=ms, logits=logits))
+                if mode == "eager":
+                    eager_logits[(spec, kind, batch)] = (ms, logits)
+                    continue
+                info["steps"].append(_row(info, mode, kind, batch, num_tokens, ms, logits,
+                                          eager_logits[(spec, kind, batch)]))
         if runner.static_stepper is not None:
-            info["num_graphs"] = runner.static_stepper.num_graphs
-            info["capture_error"] = runner.static_stepper.capture_error
+            info[f"num_graphs_{mode}"] = runner.static_stepper.num_graphs
+            info[f"capture_error_{mode}"] = runner.static_stepper.capture_error
         del runner
-        if on_gpu:
+        if device.type == "cuda":
             torch.cuda.empty_cache()
-    return _pair_rows(info, rows, floor_gb_per_s)
-
-
-def _pair_rows(info: dict, rows: list[dict], floor_gb_per_s: float | None) -> dict:
-    """One result row per (kind, batch): eager ms, fast ms, speedup, floor ratio, logits diff."""
-    floor_ms = None if floor_gb_per_s is None else info["step_read_bytes"] / floor_gb_per_s / 1e6
-    info["floor_ms"] = floor_ms
-    paired = []
-    for eager in (r for r in rows if r["mode"] == "eager"):
-        fast = next(r for r in rows if r["mode"] != "eager" and r["kind"] == eager["kind"]
-                    and r["batch"] == eager["batch"])
-        ref, out = eager["logits"].double(), fast["logits"].double()
-        paired.append(dict(
-            kind=eager["kind"], batch=eager["batch"], tokens_per_row=eager["tokens_per_row"],
-            eager_ms=eager["ms"], fast_mode=fast["mode"], fast_ms=fast["ms"],
-            speedup=eager["ms"] / fast["ms"],
-            fast_over_floor=None if floor_ms is None else fast["ms"] / floor_ms,
-            logits_rel_diff=float((out - ref).norm() / ref.norm()),
-            argmax_agreement=float((out.argmax(-1) == ref.argmax(-1)).float().mean())))
-    info["steps"] = paired
     return info
 
 
-def greedy_identity(args, device: torch.device) -> dict:
-    """ar vs sd vs psd greedy outputs through specdec.generate, graphs on (random weights).
-
-    Two drafts: the target's own weights in bfloat16 (most drafts accepted, some rejected) and
-    another seed (almost all rejected), so both the accept and the reject paths are checked.
-    """
-    cache = CacheConfig(max_num_seqs=8, max_model_len=args.max_model_len)
-    spec = args.identity_model
-    target = ModelRunner(ModelConfig(model=spec, dtype="float32", device=str(device)), cache)
-    rng = random.Random(7)
-    prompts = [[rng.randrange(3, target.input_vocab_size) for _ in range(rng.randint(8, 64))]
-               for _ in range(args.identity_requests)]
-    reference, _ = _run_loop("ar", target, None, prompts, args)
-    drafts = {f"{spec} in bfloat16": ModelConfig(model=spec, dtype="bfloat16", device=str(device)),
-              f"{spec}:1 (other seed)": ModelConfig(model=f"{spec}:1", dtype="float32",
-                                                    device=str(device))}
-    runs = []
-    for name, draft_cfg in drafts.items():
-        draft = ModelRunner(draft_cfg, cache)
-        for mode in ("sd", "psd"):
-            outputs, stats = _run_loop(mode, target, draft, prompts, args)
-            mismatched = [i for i, (a, b) in enumerate(zip(reference, outputs)) if a != b]
-            runs.append(dict(draft=name, mode=mode, mismatched_requests=mismatched, **stats))
-        del draft
-    return dict(target=spec, weights="random weights", target_dtype="float32",
-                num_requests=len(prompts), max_tokens=args.max_tokens, k=args.k,
-                graphs=target.static_stepper is not None and target.static_stepper.use_graphs,
-                runs=runs, is_equal=all(not r["mismatched_requests"] for r in runs))
-
-
-def _run_loop(mode: str, target: ModelRunner, draft: ModelRunner | None,
-              prompts: list[list[int]], args) -> tuple[list[list[int]], dict]:
-    """Greedy outputs of one ``specdec.generate.ReferenceLoop`` run, and its stats."""
-    from specdec.generate import LoopConfig, ReferenceLoop, Request
-    from specdec.sampling import SamplingParams
-    from specdec.worker import DraftWorker, TargetWorker
-
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    requests = [Request(f"r{i}", list(p), params) for i, p in enumerate(prompts)]
-    loop = ReferenceLoop(LoopConfig(mode, args.k, 8), TargetWorker(target, seed=0),
-                         None if draft is None else DraftWorker(draft, seed=0))
-    stats = loop.run(requests)
-    return [r.output_token_ids for r in requests], dict(
-        output_tokens_per_s=stats.output_tokens_per_s,
-        mean_acceptance_length=stats.mean_acceptance_length)
+def _row(info: dict, mode: str, kind: str, batch: int, num_tokens: int, ms: float,
+         logits: torch.Tensor, eager: tuple[float, torch.Tensor]) -> dict:
+    """One result row: eager ms, this mode's ms, speedup, ratio to the floor, logits diff."""
+    eager_ms, eager_out = eager
+    ref, out = eager_out.double(), logits.double()
+    return dict(kind=kind, batch=batch, tokens_per_row=num_tokens, eager_ms=eager_ms,
+                fast_mode=mode, fast_ms=ms, speedup=eager_ms / ms,
+                fast_over_floor=None if info["floor_ms"] is None else ms / info["floor_ms"],
+                logits_rel_diff=float((out - ref).norm() / ref.norm()),
+                argmax_agreement=float((out.argmax(-1) == ref.argmax(-1)).float().mean()))
 
 
 def _machine(device: torch.device) -> dict:
@@ -245,17 +197,57 @@ def _parse_args(argv):
     parser.add_argument("--identity-requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=48, help="identity run output length")
     parser.add_argument("--skip-identity", action="store_true")
+    parser.add_argument("--compile-models", default="random:smollm2-135m,random:llama-8b",
+                        help="models also timed with graphs + torch.compile'd norms/MLPs")
+    parser.add_argument("--time-budget-s", type=float, default=420.0,
+                        help="start no compile variant after this many seconds")
     parser.add_argument("--out", default=os.environ.get("OUT") or "bench/results")
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     args.models = [m for m in args.models.split(",") if m]
+    args.compile_models = [m for m in args.compile_models.split(",") if m]
     return args
 
 
+def _phase(result: dict, args, name: str, fn) -> None:
+    """Run one part; record its error instead of ending the run; rewrite the outputs after it."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - one part's failure must not lose the others
+        result["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
+        print(f"ERROR {name}: {exc!r}", flush=True)
+    _write(result, args.out)
+
+
+def _write(result: dict, out_dir: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "gpu_step.json"), "w") as fh:
+        json.dump(result, fh, indent=2)
+    markdown = write_markdown(result)
+    with open(os.path.join(out_dir, "gpu_step.md"), "w") as fh:
+        fh.write(markdown)
+    return markdown
+
+
+def _add_model(result: dict, args, device, spec: str, modes: dict, eager_logits: dict) -> None:
+    info = bench_model(spec, args, device, result["bandwidth"]["best_gb_per_s"], modes,
+                       eager_logits)
+    known = next((m for m in result["models"] if m["model"] == spec), None)
+    if known is None:
+        result["models"].append(info)
+    else:
+        known["steps"] += info.pop("steps")
+        known.update(info)
+    for row in info.get("steps", []):
+        print(f"  {spec} ({info['weights']}) {row}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run everything; each part records its error instead of ending the run."""
+    """Phases: bandwidth, eager vs graphs per model, greedy identity, then graphs + compiled
+    norms/MLPs for ``--compile-models`` while ``--time-budget-s`` allows."""
     args = _parse_args(argv)
     device = torch.device(args.device)
+    started = time.perf_counter()
     from specdec.loader import packaged_gguf_path
 
     try:
@@ -271,30 +263,24 @@ def main(argv: list[str] | None = None) -> int:
     probe_bytes = PROBE_BYTES if device.type == "cuda" else 64 * MIB
     result["bandwidth"] = bandwidth_probe(device, probe_bytes)
     print(f"bandwidth: {result['bandwidth']}", flush=True)
+    fast = "graphs" if device.type == "cuda" else "static_eager"
+    base_modes = {"eager": dict(cuda_graphs=False), fast: dict(static_shapes=True)}
+    eager_logits: dict = {}
     for spec in args.models:
-        try:
-            info = bench_model(spec, args, device, result["bandwidth"]["best_gb_per_s"])
-            result["models"].append(info)
-            print(json.dumps({k: v for k, v in info.items() if k != "steps"}), flush=True)
-            for row in info["steps"]:
-                print(f"  {spec} ({info['weights']}) {row}", flush=True)
-        except Exception as exc:  # noqa: BLE001 - one model's failure must not lose the others
-            result["errors"].append(f"{spec}: {type(exc).__name__}: {exc}")
-            print(f"ERROR {spec}: {exc!r}", flush=True)
+        _phase(result, args, spec, lambda spec=spec: _add_model(
+            result, args, device, spec, base_modes, eager_logits))
     if not args.skip_identity:
-        try:
-            result["greedy_identity"] = greedy_identity(args, device)
-            print(f"greedy identity: {result['greedy_identity']}", flush=True)
-        except Exception as exc:  # noqa: BLE001
-            result["errors"].append(f"greedy identity: {type(exc).__name__}: {exc}")
-            print(f"ERROR greedy identity: {exc!r}", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_step.json"), "w") as fh:
-        json.dump(result, fh, indent=2)
-    markdown = write_markdown(result)
-    with open(os.path.join(args.out, "gpu_step.md"), "w") as fh:
-        fh.write(markdown)
-    print(markdown)
+        _phase(result, args, "greedy identity",
+               lambda: result.update(greedy_identity=greedy_identity(args, device)))
+    for spec in args.compile_models:
+        if time.perf_counter() - started > args.time_budget_s:
+            result["errors"].append(f"{spec} {fast}+compile: skipped, time budget spent")
+            continue
+        _phase(result, args, f"{spec} {fast}+compile", lambda spec=spec: _add_model(
+            result, args, device, spec,
+            {f"{fast}+compile": dict(static_shapes=True, compile_modules=True)}, eager_logits))
+    result["elapsed_s"] = time.perf_counter() - started
+    print(_write(result, args.out))
     return 0 if not result["errors"] else 1
 
 

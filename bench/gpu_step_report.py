@@ -38,9 +38,10 @@ def write_markdown(result: dict) -> str:
                 f" {_fmt(info['floor_ms'], 3)} | {_fmt(row['fast_over_floor'])} |"
                 f" {row['logits_rel_diff']:.1e} | {row['argmax_agreement']:.3f} |")
     for info in result["models"]:
-        if info.get("capture_error"):
-            lines.append(f"\nCUDA graph capture failed for {info['model']} (ran the static path"
-                         f" eagerly): {info['capture_error']}")
+        for key, value in info.items():
+            if key.startswith("capture_error") and value:
+                lines.append(f"\nCUDA graph capture failed for {info['model']} ({key}; ran the"
+                             f" static path eagerly): {value}")
     identity = result.get("greedy_identity")
     if identity:
         lines += ["", f"Greedy identity (random weights; target {identity['target']} float32,"

@@ -33,6 +33,9 @@ class ModelConfig:
             as the resolved ``cuda_graphs``. Must not be False while graphs are on.
         max_static_tokens: most tokens per row a static step takes (k + 1 for verify steps);
             longer rows (prefill) run the dynamic path.
+        compile_modules: ``torch.compile`` every RMSNorm and MLP module (regional compilation:
+            one graph shared by all layers) so their elementwise kernels fuse; Triton/inductor
+            on CUDA, dynamo's eager backend elsewhere. Off by default.
 
     Raises:
         ValueError: naming the invalid field.
@@ -46,6 +49,7 @@ class ModelConfig:
     cuda_graphs: bool | None = None
     static_shapes: bool | None = None
     max_static_tokens: int = 8
+    compile_modules: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():

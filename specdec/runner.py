@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from specdec.config import CacheConfig, ModelConfig
-from specdec.cuda_graphs import StaticStepper
+from specdec.cuda_graphs import StaticStepper, compile_modules
 from specdec.errors import CapacityError
 from specdec.kv_cache import SLOT_METADATA_KWARG, SlotKVCache
 from specdec.loader import load_model, use_slot_attention
@@ -49,6 +49,8 @@ class ModelRunner:
         else:
             model = model.to(device=model_cfg.device, dtype=model_cfg.torch_dtype).eval()
             use_slot_attention(model)
+        if model_cfg.compile_modules:
+            compile_modules(model, torch.device(model_cfg.device))
         self.model = model
         text_cfg = model.config.get_text_config()
         self.vocab_size: int = int(model.get_output_embeddings().out_features)

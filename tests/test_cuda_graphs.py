@@ -135,3 +135,19 @@ def test_long_rows_take_the_dynamic_path(tiny_llama):
     _same_step(static, dynamic, slots, [[4, 5, 6]])     # dynamic in both
     _same_step(static, dynamic, slots, [[7, 8]])        # static vs dynamic
     _same_cache(static, dynamic, slots)
+
+
+def test_compiled_modules_match(tiny_llama):
+    """compile_modules wraps norms and MLPs in torch.compile (dynamo's eager backend on CPU)."""
+    cfg = ModelConfig(dtype="float64", static_shapes=True, compile_modules=True)
+    static = ModelRunner(cfg, CACHE, model=tiny_llama(dtype=torch.float64))
+    dynamic = ModelRunner(DYNAMIC, CACHE, model=tiny_llama(dtype=torch.float64))
+    layer = static.model.model.layers[0]
+    assert type(layer.mlp).__name__ == "OptimizedModule"
+    assert type(layer.input_layernorm).__name__ == "OptimizedModule"
+    assert static.weight_bytes == dynamic.weight_bytes
+    slots = [r.allocate_slot() for r in (static, dynamic)][:1] * 1
+    _same_step(static, dynamic, slots, [[4, 5, 6, 7, 8, 9, 10, 11, 12]])
+    _same_step(static, dynamic, slots, [[7, 8, 9]])
+    _same_step(static, dynamic, slots, [[3]])
+    _same_cache(static, dynamic, slots)
