@@ -71,7 +71,7 @@ class ModelRunner:
         if model_cfg.use_static_shapes:
             self.static_stepper = StaticStepper(
                 model, self.cache, cache_cfg.max_num_seqs, cache_cfg.max_model_len,
-                model_cfg.max_static_tokens, use_graphs=model_cfg.use_cuda_graphs)
+                model_cfg.max_static_tokens, use_graphs=_use_graphs(model_cfg))
         self._free_slots: list[int] = list(range(cache_cfg.max_num_seqs))
         self._allocated: set[int] = set()
 
@@ -208,6 +208,17 @@ class ModelRunner:
                     f"slot {slot} would hold {new_len} tokens > max_model_len="
                     f"{self.cache_cfg.max_model_len}"
                 )
+
+
+def _use_graphs(model_cfg: ModelConfig) -> bool:
+    """``use_cuda_graphs``, except that "auto" (None) stays off inside a tensor-parallel group:
+    capturing the all-reduces of a sharded model in CUDA graphs is not validated here (pass
+    ``cuda_graphs=True`` to force it); the static path then runs eagerly."""
+    in_tp_group = (torch.distributed.is_available() and torch.distributed.is_initialized()
+                   and torch.distributed.get_world_size() > 1)
+    if model_cfg.cuda_graphs is None and in_tp_group:
+        return False
+    return model_cfg.use_cuda_graphs
 
 
 def _eos_token_ids(model) -> tuple[int, ...]:
