@@ -60,10 +60,14 @@ def _unpack(data: bytes) -> list[int | bytes]:
 
 
 def create_file_buffer(path: str, num_bytes: int) -> torch.Tensor:
-    """A uint8 [num_bytes] CPU tensor backed by the (new or truncated) file ``path``."""
-    with open(path, "wb") as handle:
+    """A uint8 [num_bytes] CPU tensor backed by a new file that atomically replaces ``path``
+    (a new inode: a process still mapping an older file at ``path`` keeps valid memory)."""
+    temp = f"{path}.{os.getpid()}.tmp"
+    with open(temp, "wb") as handle:
         handle.truncate(max(num_bytes, 1))
-    return torch.from_file(path, shared=True, size=num_bytes, dtype=torch.uint8)
+    buffer = torch.from_file(temp, shared=True, size=num_bytes, dtype=torch.uint8)
+    os.replace(temp, path)
+    return buffer
 
 
 def allocate(num_bytes: int, device: str | torch.device, file_path: str) -> torch.Tensor:

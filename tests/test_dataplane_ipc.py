@@ -191,3 +191,19 @@ def test_default_data_plane_is_ipc_on_gpu_and_inline_on_cpu():
     assert stack_config(build_parser().parse_args(["up", "--device", "cuda"]), "psd").data_plane == "ipc"
     assert stack_config(build_parser().parse_args(["up", "--device", "cuda", "--data-plane", "dist"]),
                         "psd").data_plane == "dist"
+
+
+def test_ipc_client_follows_a_drafter_restart_and_reports_a_stopped_one():
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    first = IpcProbsServer(IpcPlaneConfig(name=name, num_slots=2))
+    first.publish(0, ["a"], _probs(1, 2, 10))
+    client = IpcProbsClient(IpcPlaneConfig(name=name, connect_timeout_s=2))
+    assert client.fetch(0, ["a"]).shape == (1, 2, 10)
+    second = IpcProbsServer(IpcPlaneConfig(name=name, num_slots=4))  # restart: a new file replaces it
+    probs = _probs(2, 3, 20)
+    second.publish(5, ["a", "b"], probs)
+    assert torch.equal(client.fetch(5, ["a", "b"]), probs) and client.cfg.num_slots == 4
+    second.stop()
+    with pytest.raises(DataPlaneUnavailableError, match="gone"):
+        client.fetch(5, ["a", "b"])
+    first.stop()
