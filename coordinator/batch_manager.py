@@ -142,6 +142,12 @@ class BatchManager:
         """Record that a step ran without flipping (e.g. an SD fallback step on one batch)."""
         self.is_started = True
 
+    def mark_not_started(self) -> None:
+        """Record a step that ran outside PSD (``--mode auto`` chose ``ar``/``sd``, verifying every
+        request in one batch): new requests are spread over both batches again, as before the
+        first PSD step, so neither batch fills up while the roles do not swap."""
+        self.is_started = False
+
     # ------------------------------------------------------------------ helpers
     def _target_batch(self) -> int:
         if self.is_started:

@@ -83,6 +83,8 @@ class StepLoop:
             self.batches.flip()
         elif mode == Mode.PSD:
             self.batches.mark_started()
+        elif self.cfg.uses_batches:  # auto ran ar/sd: one batch of everything this step
+            self.batches.mark_not_started()
         return self._record(mode, verify_reqs, num_spec_tokens, times, accepted, num_emitted, start, is_parallel,
                             step_trace)
 
