@@ -123,21 +123,31 @@ def test_minedraft_up_and_demo_pass_auto_adaptive_and_balancer_to_the_coordinato
 def test_auto_outside_psd_keeps_admitting_up_to_2m() -> None:
     """In ar/sd steps the batches do not swap roles: newcomers are spread over both batches, so
     admission is not capped by one batch filling up."""
+    from coordinator.finish import FinishParams
+    from coordinator.request import RequestState, RequestStatus
+    from minedraft.v1 import common_pb2
+
     work = [(f"req-{i}", [3 + i % 9, 5 + (i * 3) % 13], {"max_tokens": 300 if i < 4 else 30, "ignore_eos": True})
             for i in range(6)]
+    requests = []
+    for rid, prompt, sampling in work:
+        params = common_pb2.SamplingParams(**sampling)
+        requests.append(RequestState(rid, prompt, params, FinishParams.from_params(params)))
 
     async def main():
         async with TimedHarness(mode="auto", max_num_seqs=3, num_speculative_tokens=3, delay_s=0.004) as h:
             h.drafter.accuracy = 0.0  # auto settles on ar
-            calls = [asyncio.create_task(h.generate(rid, p, **s)) for rid, p, s in work[:4]]  # > m: psd first
-            await wait_until(lambda: h.scheduler.totals.num_steps > 20)  # ar by now; the first four are running
-            assert h.scheduler.effective_mode == Mode.AR and len(h.scheduler.running) == 4
-            assert h.scheduler.totals.recent[0].mode == "psd"
-            calls += [asyncio.create_task(h.generate(rid, p, **s)) for rid, p, s in work[4:]]
-            await asyncio.sleep(0.1)
+            for request in requests[:4]:  # > m at once: the first step (no timings yet) is psd
+                h.scheduler.submit(request)
+            await wait_until(lambda: h.scheduler.totals.num_steps > 20)
+            assert h.scheduler.totals.recent[0].mode == "psd" and h.scheduler.effective_mode == Mode.AR
+            assert len(h.scheduler.running) == 4
+            for request in requests[4:]:
+                h.scheduler.submit(request)
+            await wait_until(lambda: not h.scheduler.waiting)
             assert len(h.scheduler.running) == 6 and max(h.scheduler.batches.batch_sizes()) <= 3
-            results = await asyncio.gather(*calls)
-            for (rid, prompt, sampling), (tokens, _, _) in zip(work, results):
-                assert tokens == _expected(prompt, sampling), rid
+            await wait_until(lambda: all(r.status == RequestStatus.FINISHED for r in requests))
+            for (rid, prompt, sampling), request in zip(work, requests):
+                assert request.output_token_ids == _expected(prompt, sampling), rid
 
     asyncio.run(main())
