@@ -22,7 +22,6 @@ target's embeddings do not match the fingerprint recorded at training time.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -32,16 +31,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
+from specdec.draft_target import (  # noqa: F401  (re-exported: part of the draft-format API)
+    EMBED_KEY_SUFFIX, LM_HEAD_KEY, NUM_PROBE_ROWS, PROBE_RTOL, PROBE_SEED, check_fingerprint, embedding_fingerprint,
+    read_target_embeddings)
 from specdec.errors import IncompatibleDraftError
 
 DRAFT_META_FILE = "minedraft_draft.json"
 DRAFT_WEIGHTS_FILE = "model.safetensors"
 FORMAT_VERSION = 1
-NUM_PROBE_ROWS = 64
-PROBE_SEED = 1234
-PROBE_RTOL = 1e-2  # bf16 vs fp32 storage of the same target stays far inside this
-EMBED_KEY_SUFFIX = "embed_tokens.weight"
-LM_HEAD_KEY = "lm_head.weight"
 OWN_WEIGHT_PREFIXES = ("model.layers.", "model.norm.")
 DRAFT_VOCAB_KEY = "draft_vocab_ids"
 CONFIG_KEYS_NOT_INHERITED = ("quantization_config", "_name_or_path", "_model_name_or_path")  # e.g. GGUF
@@ -95,63 +92,6 @@ def read_meta(draft_dir: str) -> DraftMeta:
         raw = json.load(f)
     raw["init_layers"] = tuple(raw["init_layers"])
     return DraftMeta(**raw)
-
-
-def embedding_fingerprint(embed: torch.Tensor) -> dict:
-    """Cheap identity of a target: shape, sha256 of its bf16 embedding bytes, and a probe.
-
-    Args:
-        embed: token embedding matrix ``[vocab, hidden]``, any float dtype/device.
-    Returns:
-        ``{"shape", "sha256_bf16", "probe"}``; ``probe`` = ``NUM_PROBE_ROWS`` projections of
-        evenly spaced rows on a fixed random direction, tolerant to storage dtype (fp32/bf16).
-    """
-    weight = embed.detach().to("cpu", torch.float32)
-    digest = hashlib.sha256(weight.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
-    return {"shape": list(weight.shape), "sha256_bf16": digest.hexdigest(), "probe": _probe(weight)}
-
-
-def _probe(weight: torch.Tensor) -> list[float]:
-    gen = torch.Generator().manual_seed(PROBE_SEED)
-    direction = torch.randn(weight.shape[1], generator=gen, dtype=torch.float64)
-    rows = torch.linspace(0, weight.shape[0] - 1, NUM_PROBE_ROWS).long()
-    return (weight[rows].double() @ direction).tolist()
-
-
-def check_fingerprint(expected: dict, embed: torch.Tensor) -> None:
-    """Raise IncompatibleDraftError unless ``embed`` is the embedding the draft was trained on."""
-    actual = embedding_fingerprint(embed)
-    if list(expected["shape"]) != actual["shape"]:
-        raise IncompatibleDraftError(f"target embedding shape {actual['shape']} != {expected['shape']}")
-    if expected["sha256_bf16"] == actual["sha256_bf16"]:
-        return
-    want, got = torch.tensor(expected["probe"]), torch.tensor(actual["probe"])
-    scale = want.abs().mean().clamp_min(1e-12)
-    if not torch.allclose(got, want, rtol=PROBE_RTOL, atol=PROBE_RTOL * float(scale)):
-        raise IncompatibleDraftError(
-            "the target's token embeddings do not match the ones this draft was trained with "
-            f"(sha256 {actual['sha256_bf16'][:12]} != {expected['sha256_bf16'][:12]})"
-        )
-
-
-def read_target_embeddings(target_dir: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Read ``embed_tokens.weight`` and ``lm_head.weight`` (None if tied/absent) from safetensors.
-
-    Raises FileNotFoundError when ``target_dir`` holds no safetensors file with the embeddings.
-    """
-    embed, head = None, None
-    for name in sorted(os.listdir(target_dir)):
-        if not name.endswith(".safetensors"):
-            continue
-        with safe_open(os.path.join(target_dir, name), framework="pt") as f:
-            for key in f.keys():
-                if key.endswith(EMBED_KEY_SUFFIX) and embed is None:
-                    embed = f.get_tensor(key)
-                elif key == LM_HEAD_KEY:
-                    head = f.get_tensor(key)
-    if embed is None:
-        raise FileNotFoundError(f"no '{EMBED_KEY_SUFFIX}' in safetensors files of {target_dir}")
-    return embed, head
 
 
 def draft_config_from_target(target_config: LlamaConfig, num_layers: int) -> LlamaConfig:
