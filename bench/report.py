@@ -9,7 +9,7 @@ import math
 
 from bench.stats import ratio
 
-OURS_VS_VLLM = (("ar", "vllm-ar"), ("sd", "vllm-sd"))
+OURS_VS_VLLM = (("ar", "vllm-ar"), ("sd", "vllm-sd"), ("psd", "vllm-sd"))
 RATIO_PAIRS = (("psd", "sd"), ("psd", "ar"), ("psd", "sd-2core"), ("sd", "ar")) + OURS_VS_VLLM
 TABLE_COLUMNS = (("output_tokens_per_s", "out tok/s", 2), ("requests_per_s", "req/s", 3),
                  ("ttft_ms_p50", "TTFT p50 ms", 0), ("ttft_ms_p99", "TTFT p99 ms", 0),
@@ -188,6 +188,7 @@ def plot(runs: list[dict], out_dir: str, title_suffix: str) -> list[str]:
         paths.append(f"{out_dir}/{name}")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
+    paths += _plot_k_sweep(plt, runs, out_dir, title_suffix)
     split_runs = [r for r in runs if r.get("step_split")]
     if split_runs:
         fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(split_runs)), 4))
@@ -205,3 +206,27 @@ def plot(runs: list[dict], out_dir: str, title_suffix: str) -> list[str]:
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths
+
+
+def _plot_k_sweep(plt, runs: list[dict], out_dir: str, title_suffix: str) -> list[str]:
+    """``k_sweep.png``: output tokens/s over k for every system run at two or more k values."""
+    series: dict[tuple, list[tuple[int, float]]] = {}
+    for run in runs:
+        if run["k"] is not None:
+            series.setdefault((run["system"], run["temperature"], run["m"]), []).append(
+                (run["k"], run["metrics"]["output_tokens_per_s"]))
+    series = {key: sorted(points) for key, points in series.items() if len(points) >= 2}
+    if not series:
+        return []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (system, temperature, m), points in series.items():
+        ax.plot([k for k, _ in points], [v for _, v in points], marker="o", label=f"{system} T={temperature} m={m}")
+    ax.set_xlabel("k (num_speculative_tokens)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"k sweep {title_suffix}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = f"{out_dir}/k_sweep.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

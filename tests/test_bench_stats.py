@@ -7,7 +7,7 @@ import math
 import pytest
 
 from bench.loadgen import RequestResult, load_spec_bench
-from bench.report import compute_ratios, greedy_check, markdown
+from bench.report import compute_ratios, greedy_check, markdown, plot
 from bench.stats import SpecCounts, mean_acceptance_length, percentile, ratio, spec_counts_from_usage, step_split, \
     summarize, summarize_by_task
 from bench.suite import SuiteConfig, plan
@@ -77,7 +77,7 @@ def test_ratios_pair_systems_and_best_of_each_family():
     by_name = {r["ratio"]: r for r in compute_ratios(runs)}
     assert by_name["psd/sd"]["output_tokens_per_s"] == 2.0 and by_name["psd/sd"]["latency_ms_p50"] == 0.25
     assert by_name["psd/ar"]["output_tokens_per_s"] == 1.6 and by_name["ar/vllm-ar"]["output_tokens_per_s"] == 0.5
-    assert by_name["sd/vllm-sd"]["output_tokens_per_s"] == 2.0
+    assert by_name["sd/vllm-sd"]["output_tokens_per_s"] == 2.0 and by_name["psd/vllm-sd"]["output_tokens_per_s"] == 4.0
     assert by_name["best-ours(psd k=4)/best-vllm(vllm-ar)"]["output_tokens_per_s"] == 0.8
     assert "psd/sd-2core" not in by_name
     assert math.isnan(ratio(1.0, 0.0)) and math.isnan(ratio(float("nan"), 1.0))
@@ -140,3 +140,14 @@ def test_suite_config_validation_and_plan(tmp_path):
     assert SYSTEMS["vllm-ar"].max_num_seqs(4) == 8 and SYSTEMS["sd-2core"].num_engine_threads == 2
     assert SYSTEMS["ar"].num_cores(2, 1) == 1 and SYSTEMS["psd"].num_cores(2, 1) == 2
     assert SYSTEMS["vllm-sd"].num_cores(2, 1) == 1 and SYSTEMS["vllm-sd"].num_cores(2, 0) == 2
+
+
+def test_plots_include_a_k_sweep_for_several_k(tmp_path):
+    runs = [_run("ar", None, 10.0), _run("psd", 2, 12.0), _run("psd", 4, 14.0)]
+    for run in runs:
+        run["metrics"].update({"latency_ms_p99": 2.0, "ttft_ms_p50": 1.0, "ttft_ms_p99": 1.5})
+    runs[1]["step_split"] = {"draft_ms": 3.0, "verify_ms": 5.0, "data_plane_ms": 0.1, "idle_ms": 0.5}
+    paths = plot(runs, str(tmp_path), "(test)")
+    assert sorted(p.rsplit("/", 1)[1] for p in paths) == ["k_sweep.png", "latency.png", "step_split.png",
+                                                          "throughput.png", "ttft.png"]
+    assert all((tmp_path / p.rsplit("/", 1)[1]).stat().st_size > 1000 for p in paths)
