@@ -23,13 +23,13 @@ With ``--device cpu`` the same script runs on this machine (tiny limits) as its 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import threading
 import time
 from dataclasses import dataclass, replace
 
+from bench.gpu_stack_cli import gpu_names, parse_args
 from bench.gpu_stack_report import Report, RunResult, merge_runs
 from minedraft.bench_only import fixed_acceptance_label
 from minedraft.launcher import Stack, resolve_model_dir
@@ -38,8 +38,6 @@ from minedraft.prompts import PromptsConfig, run_prompts
 from minedraft.stack import (StackConfig, coordinator_spec, drafter_spec, free_loopback_ports, gateway_spec,
                              resolve_draft_dir, verifier_spec)
 
-MODES = ("ar", "sd", "psd")
-PARTS = ("a", "b", "c", "d")
 REPLICA_GPUS = (0, 1)
 RANDOM_TOKENIZER_ENV = "MINEDRAFT_RANDOM_TOKENIZER"   # specdec.random_models: tokenizer of random:<preset>
 
@@ -171,6 +169,18 @@ def run_replicas(args, part: str, cfgs: list[StackConfig], model_dir: str, budge
     log(report.summary_line(part, "2x sd"))
 
 
+def spread_prompts(path: str, limit: int, out_path: str) -> str:
+    """Writes ``limit`` rows of ``path`` evenly spaced through it (row ``floor(i * n / limit)``)
+    to ``out_path`` and returns it: a Spec-Bench file lists its categories one after another."""
+    with open(path, encoding="utf-8") as f:
+        rows = [line for line in f if line.strip()]
+    chosen = [rows[i * len(rows) // limit] for i in range(min(limit, len(rows)))]
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, "w", encoding="utf-8") as f:
+        f.writelines(chosen)
+    return out_path
+
+
 def split_prompts(path: str, limit: int, out_dir: str) -> list[str]:
     """The first ``limit`` rows of ``path`` dealt alternately into two files (one per replica)."""
     with open(path, encoding="utf-8") as f:
@@ -225,61 +235,15 @@ def run_pair(args, parts: tuple[str, str], target: str, draft: str, fixed_accept
         engines.stop()
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_stack", description=__doc__.splitlines()[0])
-    p.add_argument("--out-dir", required=True, help="results.json and results.md go here")
-    p.add_argument("--logs-dir", default="runs/gpu_stack", help="service logs")
-    p.add_argument("--parts", default="a,b,c,d", help=f"subset of {','.join(PARTS)}")
-    p.add_argument("--modes", default="ar,sd,psd", help="modes of parts a and c")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--dtype", default=None, help="parts a/b engine dtype (default: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--paper-dtype", default=None, help="parts c/d engine dtype (default as --dtype)")
-    p.add_argument("--drafter-gpu", type=int, choices=(0, 1), default=1,
-                   help="the drafter's GPU in parts a/c (0: shares the verifier's GPU, one-GPU machines)")
-    p.add_argument("--target", default="smollm2-135m-instruct", help="parts a/b target (alias, dir or .gguf)")
-    p.add_argument("--draft", default="drafts/smollm2-135m-instruct", help="parts a/b draft dir")
-    p.add_argument("--paper-target", default="random:llama-8b", help="parts c/d target")
-    p.add_argument("--paper-draft", default="random:qwen3-0.6b", help="parts c/d draft")
-    p.add_argument("--fixed-acceptance", type=float, default=0.7,
-                   help="parts c/d: BENCHMARK-ONLY --bench-fixed-acceptance P of the verifier")
-    p.add_argument("--prompts", default="../shared/data/spec_bench/question.jsonl", help="Spec-Bench jsonl")
-    p.add_argument("--limit", type=int, default=64, help="prompts per run")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="m (2m requests in flight per run)")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--time-budget-s", type=float, default=480.0, help="skip what would start after this")
-    p.add_argument("--min-run-s", type=float, default=25.0, help="a run starts only if this much is left")
-    p.add_argument("--startup-timeout-s", type=float, default=240.0)
-    args = p.parse_args(argv)
-    args.parts = tuple(x for x in args.parts.split(",") if x)
-    args.modes = tuple(x for x in args.modes.split(",") if x)
-    unknown = [x for x in args.parts if x not in PARTS] + [x for x in args.modes if x not in MODES]
-    if unknown:
-        p.error(f"--parts/--modes: unknown {unknown}")
-    return args
-
-
-def _gpu_names() -> list[str]:
-    import subprocess
-
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [line.strip() for line in out.splitlines() if line.strip()]
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     budget = Budget(args.time_budget_s, args.min_run_s, time.monotonic())
     config = {key: value for key, value in vars(args).items() if key not in ("out_dir", "logs_dir")}
     config["dtype"] = args.dtype or default_dtype(args.device)
     config["paper_dtype"] = args.paper_dtype or default_dtype(args.device)
-    config.update(gpus=_gpu_names(), cpu_count=os.cpu_count(), date=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+    config.update(gpus=gpu_names(), cpu_count=os.cpu_count(), date=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+    if args.spread:
+        args.prompts = spread_prompts(args.prompts, args.limit, os.path.join(args.logs_dir, "prompts.jsonl"))
     report = Report(args.out_dir, config)
     status = 0
     plans = ((("a", "b"), args.target, args.draft, None, args.dtype),
