@@ -61,7 +61,7 @@ class SuiteConfig:
     seed: int = 0
     num_warmup: int = 2
     vllm_python: str = DEFAULT_VLLM_PYTHON
-    vllm_kv_cache_gib: int = 2
+    vllm_kv_cache_gib: int = 4
     vllm_reserved_cpus: int = 1
     vllm_args: tuple[str, ...] = ()
     startup_timeout_s: float = 1200.0
@@ -76,6 +76,7 @@ class SuiteConfig:
                   "ks": (bool(self.ks) and min(self.ks) >= 1, "must be >= 1"),
                   "num_warmup": (self.num_warmup >= 0, "must be >= 0"),
                   "vllm_reserved_cpus": (self.vllm_reserved_cpus >= 0, "must be >= 0"),
+                  "vllm_kv_cache_gib": (self.vllm_kv_cache_gib >= 1, "must be >= 1"),
                   "data": (os.path.isfile(self.data), "no such file")}
         for name, (is_ok, reason) in checks.items():
             if not is_ok:
@@ -255,7 +256,8 @@ def parse_args(argv: list[str] | None) -> SuiteConfig:
     p.add_argument("--seed", type=int, default=0, help="base seed for temperature > 0")
     p.add_argument("--num-warmup", type=int, default=2, help="warm-up requests per system and temperature")
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
-    p.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--vllm-kv-cache-gib", type=int, default=4,
+                   help="VLLM_CPU_KVCACHE_SPACE (GiB; 4 holds 2m=32 requests of 2048 tokens, target + draft)")
     p.add_argument("--vllm-reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU")
     p.add_argument("--vllm-args", default="", help="extra vLLM server arguments (one string, shell-split)")
     a = p.parse_args(argv)

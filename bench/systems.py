@@ -161,7 +161,7 @@ class VllmSystem:
     """
 
     def __init__(self, spec: SystemSpec, python: str, target_dir: str, draft_dir: str, m: int, k: int,
-                 max_model_len: int, logs_dir: str, kv_cache_gib: int = 2, reserved_cpus: int = 1,
+                 max_model_len: int, logs_dir: str, kv_cache_gib: int = 4, reserved_cpus: int = 1,
                  startup_timeout_s: float = 900.0, extra_args: tuple[str, ...] = ()) -> None:
         from minedraft.stack import free_loopback_ports
 
