@@ -56,6 +56,7 @@ def test_numbers_are_positive_and_complete(suite_results):
     ar, psd = results["runs"]
     assert ar["metrics"]["mean_acceptance_length"] == 1.0 and ar["max_num_seqs"] == 4
     assert psd["metrics"]["mean_acceptance_length"] >= 1.0 and psd["max_num_seqs"] == 2
+    assert 0 <= psd["metrics"]["acceptance_rate"] <= 1  # read from the usage extension (NaN when missing)
     assert psd["step_split"]["draft_ms"] > 0 and ar["step_split"]["draft_ms"] == 0
     assert {r["ratio"] for r in results["ratios"]} == {"psd/ar"}
 
