@@ -36,6 +36,8 @@ class ModelConfig:
         compile_modules: ``torch.compile`` every RMSNorm and MLP module (regional compilation:
             one graph shared by all layers) so their elementwise kernels fuse; Triton/inductor
             on CUDA, dynamo's eager backend elsewhere. Off by default.
+        compile_layers: run static steps through ``torch.compile``'d decoder layers (one graph
+            per shape shared by all layers; needs the static path). Off by default.
 
     Raises:
         ValueError: naming the invalid field.
@@ -50,6 +52,7 @@ class ModelConfig:
     static_shapes: bool | None = None
     max_static_tokens: int = 8
     compile_modules: bool = False
+    compile_layers: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -70,6 +73,8 @@ class ModelConfig:
             raise ValueError(f"cuda_graphs needs a CUDA device, got device={self.device!r}")
         if self.cuda_graphs and self.static_shapes is False:
             raise ValueError("static_shapes must not be False when cuda_graphs is True")
+        if self.compile_layers and not self.use_static_shapes:
+            raise ValueError("compile_layers needs static_shapes (the static path)")
         if not isinstance(self.max_static_tokens, int) or self.max_static_tokens < 1:
             raise ValueError(f"max_static_tokens must be a positive int, got "
                              f"{self.max_static_tokens!r}")

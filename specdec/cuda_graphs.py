@@ -29,11 +29,14 @@ import logging
 
 import torch
 
-from specdec.kv_cache import SLOT_METADATA_KWARG, SlotKVCache, StaticSlotMetadata
+from specdec.kv_cache import (
+    SLOT_METADATA_KWARG, STATIC_K_BUFFER, STATIC_V_BUFFER, SlotKVCache, StaticSlotMetadata,
+)
 
 logger = logging.getLogger(__name__)
 
 MIN_KV_BUCKET = 64
+MIN_RECOMPILE_LIMIT = 64  # dynamo recompiles per code object (shape buckets x model types)
 NUM_WARMUP_RUNS = 2        # eager runs on a side stream before a capture (cuBLAS workspaces)
 NUM_META_COLUMNS = 3       # packed input columns after the tokens: slot, cached length, count
 
@@ -49,13 +52,62 @@ def compile_modules(model, device: torch.device) -> int:
     Returns:
         number of modules wrapped.
     """
-    backend = "inductor" if device.type == "cuda" else "eager"
+    backend = _compile_backend(device)
+    _raise_recompile_limit()
     targets = [(parent, name) for parent in model.modules()
                for name, child in parent.named_children()
                if type(child).__name__.endswith(("RMSNorm", "MLP"))]
     for parent, name in targets:
         setattr(parent, name, torch.compile(getattr(parent, name), backend=backend))
     return len(targets)
+
+
+def _compile_backend(device: torch.device) -> str:
+    return "inductor" if device.type == "cuda" else "eager"
+
+
+def _raise_recompile_limit() -> None:
+    """Every (batch bucket, tokens, KV bucket) shape may need its own compiled graph."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), MIN_RECOMPILE_LIMIT))
+
+
+def attach_cache_buffers(model, cache: SlotKVCache) -> int:
+    """Register each attention module's cache layer as its non-persistent buffers
+    ``STATIC_K_BUFFER``/``STATIC_V_BUFFER`` (views of ``cache.k/v[layer_idx]``, no copy).
+
+    Returns:
+        number of attention modules given buffers.
+
+    Raises:
+        ValueError: the model has no attention modules with a ``layer_idx``.
+    """
+    modules = [m for m in model.modules()
+               if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    if not modules:
+        raise ValueError("no attention modules with a layer_idx found in the model")
+    for module in modules:
+        module.register_buffer(STATIC_K_BUFFER, cache.k[module.layer_idx], persistent=False)
+        module.register_buffer(STATIC_V_BUFFER, cache.v[module.layer_idx], persistent=False)
+    return len(modules)
+
+
+def compile_layers(model) -> torch.nn.ModuleList:
+    """``torch.compile`` of every decoder layer, for the static path only (``static_forward``
+    swaps them in): a layer reads its cache through its buffers, never through a Python layer
+    index, so one compiled graph per shape serves all layers (CUDA: inductor/Triton; other
+    devices: dynamo's eager backend, numerically unchanged).
+
+    Raises:
+        ValueError: the model has no ``get_decoder().layers``.
+    """
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError("compile_layers needs a model whose get_decoder() has .layers")
+    _raise_recompile_limit()
+    backend = _compile_backend(next(model.parameters()).device)
+    return torch.nn.ModuleList(torch.compile(layer, backend=backend) for layer in layers)
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -78,7 +130,7 @@ def _smallest_at_least(buckets: tuple[int, ...], value: int) -> int:
 
 
 def static_forward(model, cache: SlotKVCache, packed: torch.Tensor, num_tokens: int,
-                   kv_len: int) -> torch.Tensor:
+                   kv_len: int, layers: torch.nn.ModuleList | None = None) -> torch.Tensor:
     """One static-shape forward (capturable: device ops only, shapes fixed by the arguments).
 
     Args:
@@ -88,6 +140,7 @@ def static_forward(model, cache: SlotKVCache, packed: torch.Tensor, num_tokens: 
             (padding: any valid id), ``q`` slot (scratch slot for padding rows), ``q + 1``
             cached length before the step, ``q + 2`` number of real tokens (1..q).
         num_tokens: ``q``. kv_len: KV bucket, >= every row's cached length + real tokens.
+        layers: compiled decoder layers (``compile_layers``) used for this forward, or None.
 
     Returns:
         logits ``[B, q, V]`` in the model's dtype (rows/tokens past the real ones are junk).
@@ -112,9 +165,19 @@ def static_forward(model, cache: SlotKVCache, packed: torch.Tensor, num_tokens: 
         attn_mask=mask[:, None].repeat(1, 1, num_groups, 1),                # [B, 1, G*q, kv]
         kv_len=kv_len,
     )
-    out = model(input_ids=tokens, position_ids=positions, use_cache=False,
-                **{SLOT_METADATA_KWARG: meta})
+    decoder = model.get_decoder()
+    eager_layers = decoder.layers
+    if layers is not None:
+        decoder.layers = layers
+    try:
+        out = model(input_ids=tokens, position_ids=positions, use_cache=False,
+                    **{SLOT_METADATA_KWARG: meta})
+    finally:
+        decoder.layers = eager_layers
     return out.logits
+
+
+_compile_layers_of = compile_layers
 
 
 class StaticStepper:
@@ -126,15 +189,18 @@ class StaticStepper:
         max_num_seqs, max_model_len: the cache's capacity (bucket ranges).
         max_tokens: longest row taken (``ModelConfig.max_static_tokens``).
         use_graphs: capture/replay CUDA graphs (CUDA device only).
+        compile_layers: run static steps through ``torch.compile``'d decoder layers.
     """
 
     def __init__(self, model, cache: SlotKVCache, max_num_seqs: int, max_model_len: int,
-                 max_tokens: int, use_graphs: bool) -> None:
+                 max_tokens: int, use_graphs: bool, compile_layers: bool = False) -> None:
         if cache.scratch_slot is None:
             raise ValueError("the static path needs a cache with a scratch slot")
         if use_graphs and cache.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA cache, got {cache.device}")
         self.model, self.cache, self.max_tokens = model, cache, max_tokens
+        attach_cache_buffers(model, cache)
+        self._layers = _compile_layers_of(model) if compile_layers else None
         self.use_graphs = use_graphs
         self.batch_buckets = batch_buckets(max_num_seqs)
         self.kv_buckets = kv_buckets(max_model_len)
@@ -166,7 +232,7 @@ class StaticStepper:
         with torch.inference_mode():
             if not self.use_graphs:
                 logits = static_forward(self.model, self.cache, packed.to(self.cache.device),
-                                        num_tokens, kv_len)
+                                        num_tokens, kv_len, self._layers)
                 return logits[:num_rows].clone()
             try:
                 graph, static_in, static_out = self._graph(batch, num_tokens, kv_len)
@@ -209,10 +275,11 @@ class StaticStepper:
         side.wait_stream(torch.cuda.current_stream(self.cache.device))
         with torch.cuda.stream(side):
             for _ in range(NUM_WARMUP_RUNS):
-                static_forward(self.model, self.cache, static_in, num_tokens, kv_len)
+                static_forward(self.model, self.cache, static_in, num_tokens, kv_len, self._layers)
         torch.cuda.current_stream(self.cache.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            static_out = static_forward(self.model, self.cache, static_in, num_tokens, kv_len)
+            static_out = static_forward(self.model, self.cache, static_in, num_tokens, kv_len,
+                                        self._layers)
         logger.debug("captured CUDA graph batch=%d tokens=%d kv_len=%d", batch, num_tokens, kv_len)
         return graph, static_in, static_out

@@ -25,6 +25,11 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 SLOT_ATTENTION_NAME = "minedraft_slot"
 SLOT_METADATA_KWARG = "slot_metadata"
 NOT_CONSECUTIVE = -1  # SlotAttentionMetadata.first_slot when the batch's slots need a gather
+# Names of the non-persistent buffers through which the static path gives each attention module
+# its own layer's cache tensors (``specdec.cuda_graphs.attach_cache_buffers``): no Python layer
+# index inside a compiled decoder layer, so one compiled graph serves every layer.
+STATIC_K_BUFFER = "minedraft_k_cache"
+STATIC_V_BUFFER = "minedraft_v_cache"
 
 
 @dataclass(frozen=True)
@@ -244,7 +249,12 @@ def slot_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     if isinstance(meta, StaticSlotMetadata):
-        return _static_attention(module.layer_idx, query, key, value, meta, scaling), None
+        k_cache = getattr(module, STATIC_K_BUFFER, None)
+        if k_cache is None:
+            k_cache, v_cache = meta.cache.k[module.layer_idx], meta.cache.v[module.layer_idx]
+        else:
+            v_cache = getattr(module, STATIC_V_BUFFER)
+        return _static_attention(k_cache, v_cache, query, key, value, meta, scaling), None
     meta.cache.write(module.layer_idx, meta, key, value)
     k_all, v_all = meta.cache.read(module.layer_idx, meta)
     num_groups = query.shape[1] // k_all.shape[1]
@@ -257,25 +267,25 @@ def slot_attention_forward(
 
 
 def _static_attention(
-    layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    meta: StaticSlotMetadata, scaling: float | None,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+    value: torch.Tensor, meta: StaticSlotMetadata, scaling: float | None,
 ) -> torch.Tensor:
     """Static-shape slot attention: index writes, a slot gather of ``kv_len`` positions, and
     SDPA with the query heads of each KV head folded into the query axis (no K/V repeat).
 
-    Shapes: query ``[B, H, q, d]``, key/value ``[B, KVH, q, d]``; returns ``[B, q, H, d]``.
+    Shapes: ``k_cache``/``v_cache`` one layer's ``[slots, KVH, max_model_len, d]``; query
+    ``[B, H, q, d]``, key/value ``[B, KVH, q, d]``; returns ``[B, q, H, d]``.
     No host syncs and no data-dependent shapes (CUDA-graph capturable).
     """
-    cache = meta.cache
     batch, num_heads, q_len, head_dim = query.shape
     num_kv_heads = key.shape[1]
     num_groups = num_heads // num_kv_heads
     k_new = key.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
     v_new = value.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
-    cache.k[layer_idx][meta.write_rows, :, meta.write_cols] = k_new.to(cache.dtype)
-    cache.v[layer_idx][meta.write_rows, :, meta.write_cols] = v_new.to(cache.dtype)
-    k_all = cache.k[layer_idx][:, :, : meta.kv_len].index_select(0, meta.slot_ids)
-    v_all = cache.v[layer_idx][:, :, : meta.kv_len].index_select(0, meta.slot_ids)
+    k_cache[meta.write_rows, :, meta.write_cols] = k_new.to(k_cache.dtype)
+    v_cache[meta.write_rows, :, meta.write_cols] = v_new.to(v_cache.dtype)
+    k_all = k_cache[:, :, : meta.kv_len].index_select(0, meta.slot_ids)
+    v_all = v_cache[:, :, : meta.kv_len].index_select(0, meta.slot_ids)
     folded = query.reshape(batch, num_kv_heads, num_groups * q_len, head_dim)
     out = F.scaled_dot_product_attention(
         folded, k_all.to(query.dtype), v_all.to(query.dtype), attn_mask=meta.attn_mask,

@@ -71,7 +71,8 @@ class ModelRunner:
         if model_cfg.use_static_shapes:
             self.static_stepper = StaticStepper(
                 model, self.cache, cache_cfg.max_num_seqs, cache_cfg.max_model_len,
-                model_cfg.max_static_tokens, use_graphs=_use_graphs(model_cfg))
+                model_cfg.max_static_tokens, use_graphs=_use_graphs(model_cfg),
+                compile_layers=model_cfg.compile_layers)
         self._free_slots: list[int] = list(range(cache_cfg.max_num_seqs))
         self._allocated: set[int] = set()
 

@@ -151,3 +151,23 @@ def test_compiled_modules_match(tiny_llama):
     _same_step(static, dynamic, slots, [[7, 8, 9]])
     _same_step(static, dynamic, slots, [[3]])
     _same_cache(static, dynamic, slots)
+
+
+def test_compiled_layers_match():
+    """compile_layers: static steps through torch.compile'd decoder layers (dynamo's eager
+    backend on CPU) that read their cache through buffers, one graph for all layers."""
+    cfg = ModelConfig(dtype="float64", static_shapes=True, compile_layers=True)
+    make = lambda: build_random_model("random:tiny-qwen3:4", torch.float64, "cpu")  # noqa: E731
+    static = ModelRunner(cfg, CACHE, model=make())
+    dynamic = ModelRunner(DYNAMIC, CACHE, model=make())
+    attn = static.model.model.layers[1].self_attn
+    assert attn.minedraft_k_cache.data_ptr() == static.cache.k[1].data_ptr()
+    assert type(static.model.model.layers[0]).__name__ != "OptimizedModule"   # swapped per step
+    slots = [static.allocate_slot(), static.allocate_slot()]
+    assert slots == [dynamic.allocate_slot(), dynamic.allocate_slot()]
+    _same_step(static, dynamic, slots, [list(range(3, 20)), list(range(9, 30))])
+    _same_step(static, dynamic, slots, [[7, 8, 9, 10, 11], [5, 6]])
+    _same_step(static, dynamic, slots[:1], [[3]])
+    _same_cache(static, dynamic, slots)
+    with pytest.raises(ValueError, match="compile_layers"):
+        ModelConfig(compile_layers=True)
