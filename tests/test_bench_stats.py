@@ -151,3 +151,26 @@ def test_plots_include_a_k_sweep_for_several_k(tmp_path):
     assert sorted(p.rsplit("/", 1)[1] for p in paths) == ["k_sweep.png", "latency.png", "step_split.png",
                                                           "throughput.png", "ttft.png"]
     assert all((tmp_path / p.rsplit("/", 1)[1]).stat().st_size > 1000 for p in paths)
+
+
+def test_export_draft_is_a_standalone_hf_model_equal_to_our_draft(tiny_llama_dir, tmp_path):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from bench.export_hf import EXPORT_META_FILE, export_draft, export_target
+    from specdec.draft_format import load_draft, make_truncated_draft
+
+    target = tiny_llama_dir(tmp_path / "target", num_layers=3)
+    make_truncated_draft(target, [0, 2], str(tmp_path / "draft"))
+    meta = export_draft(str(tmp_path / "draft"), target, str(tmp_path / "out" / "draft"))
+    assert meta["num_layers"] == 2 and meta["exported_vocab_size"] == 128
+    assert json.loads((tmp_path / "out" / "draft" / EXPORT_META_FILE).read_text())["note"].startswith("vLLM's draft")
+    exported = LlamaForCausalLM.from_pretrained(str(tmp_path / "out" / "draft")).eval()
+    ours = load_draft(str(tmp_path / "draft"), target_dir=target)
+    ids = torch.tensor([[1, 5, 9, 17, 33]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, ours(ids).logits)
+    export_target(target, str(tmp_path / "out" / "target"))
+    assert (tmp_path / "out" / "target" / "model.safetensors").stat().st_size > 0
+    with pytest.raises(FileNotFoundError, match="target_dir"):
+        export_target(str(tmp_path / "draft" / ".."), str(tmp_path / "bad"))
