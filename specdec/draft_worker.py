@@ -1,0 +1,171 @@
+"""The draft-model engine worker: catch-up on committed tokens, then k draft tokens per request.
+
+State contract (docs/ARCHITECTURE.md, "Terms"): per request, the KV holds some token list.
+``draft`` first brings it to the committed sequence (keep the common prefix, feed the rest:
+*catch-up*), then runs k single-token steps; the KV ends holding ``committed + d_1..d_{k-1}``.
+Imported as ``specdec.worker.DraftWorker`` too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.draft_format import draft_vocab_ids
+from specdec.runner import ModelRunner
+from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from specdec.worker_base import DraftCapacityError, Worker, RequestState
+from specdec.worker_base import tracer as _tracer
+
+
+class DraftWorker(Worker):
+    """The draft model: catch-up on committed tokens, then k sampled draft tokens per request.
+
+    Draft token ids are always TARGET ids. A draft with a reduced vocabulary (FR-Spec, Zhao et
+    al. 2025; ``specdec.draft_format.draft_vocab_ids``) samples an index into its ``N`` logits,
+    mapped here to the target id; its probs are scattered into the target vocab, zero elsewhere,
+    so rejection sampling stays exact (q = 0 outside the subset).
+
+    Args:
+        runner: the draft model's runner.
+        target_vocab_size: pad draft probs with zeros to this vocab (None: the draft's input
+            vocab); the draft's token ids must be a prefix of the target's (same tokenizer).
+        seed: seeds the source of per-request seeds for unseeded requests (None: random).
+
+    Raises:
+        ValueError: ``target_vocab_size`` smaller than the draft vocab (or than a reduced
+            vocabulary's largest id + 1).
+    """
+
+    def __init__(self, runner: ModelRunner, target_vocab_size: int | None = None,
+                 seed: int | None = None) -> None:
+        super().__init__(runner, seed)
+        self.vocab_ids = draft_vocab_ids(runner.model)           # [N] target ids, or None
+        if self.vocab_ids is not None:
+            self.vocab_ids = self.vocab_ids.to(device="cpu", dtype=torch.int64)
+        num_ids = runner.vocab_size if self.vocab_ids is None else int(self.vocab_ids.max()) + 1
+        self.target_vocab_size = target_vocab_size or max(runner.input_vocab_size, num_ids)
+        if self.target_vocab_size < num_ids:
+            raise ValueError(f"target_vocab_size={target_vocab_size} < draft vocab {num_ids}")
+        self.max_model_len = runner.cache_cfg.max_model_len
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        """Prefill the prompt into the draft KV (errors as ``TargetWorker.add_request``)."""
+        state, _ = self._new_state(request_id, prompt_token_ids, params, is_draft=True)
+        state.committed = list(prompt_token_ids)
+        state.kv_token_ids = list(prompt_token_ids)
+
+    def can_draft(self, num_committed_tokens: int, k: int) -> bool:
+        """Whether a sequence of that many committed tokens fits k draft steps in the draft KV."""
+        return num_committed_tokens + k - 1 <= self.max_model_len
+
+    def draft(self, request_ids: list[str], committed: list[tuple[int, list[int]]],
+              k: int) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Catch up on the committed sequences, then draft k tokens per request.
+
+        Args:
+            request_ids: b active requests.
+            committed: b pairs ``(start_position, token_ids)``: the committed sequence from
+                ``start_position`` on; ``start_position`` must not exceed the length known from
+                earlier calls (prompt length at first).
+            k: number of draft tokens (>= 0).
+
+        Returns:
+            draft token ids [b][k] and draft probs q [b, k, target_vocab_size] float32 (None when
+            every request is greedy).
+
+        Raises:
+            DraftCapacityError: some sequences would exceed the draft ``max_model_len``
+                (raised before any state changes; see ``can_draft``).
+            KeyError / ValueError: unknown request, bad ``committed`` or ``k``.
+        """
+        states = self._states(request_ids)
+        if k < 0 or len(committed) != len(states):
+            raise ValueError(f"need k >= 0 and one committed entry per request, got k={k}, "
+                             f"{len(committed)} entries for {len(states)} requests")
+        sequences = [_merge(s.committed, start, ids) for s, (start, ids) in zip(states, committed)]
+        too_long = [r for r, seq in zip(request_ids, sequences) if not self.can_draft(len(seq), k)]
+        if too_long:
+            raise DraftCapacityError(too_long, self.max_model_len)
+        for state, sequence in zip(states, sequences):
+            state.committed = sequence
+        if k == 0:
+            return [[] for _ in states], None
+        last_logits = self._catch_up(states)
+        return self._draft_steps(states, last_logits, k)
+
+    def _catch_up(self, states: list[RequestState]) -> torch.Tensor:
+        """Truncate each KV to its common prefix with the committed sequence, feed the rest.
+
+        Returns the logits of each committed sequence's last token, [b, V].
+        """
+        fed = []
+        for state in states:
+            keep = min(_common_prefix_len(state.kv_token_ids, state.committed),
+                       len(state.committed) - 1)           # feed >= 1 token to get its logits
+            self.runner.truncate(state.slot, keep)
+            fed.append(state.committed[keep:])
+            state.kv_token_ids = list(state.committed)
+        with _tracer.start_as_current_span("draft.catch_up_forward",
+                                           attributes={"minedraft.num_tokens": sum(map(len, fed))}):
+            logits = self.runner.forward([s.slot for s in states], fed)
+        last = torch.tensor([len(row) - 1 for row in fed])
+        return logits[torch.arange(len(states)), last]
+
+    def _draft_steps(self, states: list[RequestState], last_logits: torch.Tensor,
+                     k: int) -> tuple[list[list[int]], torch.Tensor | None]:
+        """k single-token steps, sampling d_j ~ q_j with each request's draft generator."""
+        params = [s.params for s in states]
+        is_greedy = [p.is_greedy for p in params]
+        generators = [s.generator for s in states]
+        tokens, probs = [], []
+        for step in range(k):
+            with _tracer.start_as_current_span("draft.sample"):
+                q = logits_to_probs(last_logits.unsqueeze(1), params)[:, 0]   # [b, V_draft]
+                step_tokens = self._to_target_ids(sample_from_probs(q, is_greedy, generators))
+            tokens.append(step_tokens)
+            probs.append(q)
+            if step < k - 1:
+                with _tracer.start_as_current_span("draft.forward"):
+                    last_logits = self.runner.forward([s.slot for s in states],
+                                                      [[t] for t in step_tokens])[:, 0]
+                for state, token in zip(states, step_tokens):
+                    state.kv_token_ids.append(token)
+        draft_ids = [list(row) for row in zip(*tokens)]
+        if all(is_greedy):
+            return draft_ids, None
+        q_all = torch.stack(probs, dim=1).float()                          # [b, k, V_draft]
+        return draft_ids, self._to_target_probs(q_all)
+
+    def _to_target_ids(self, indices: torch.Tensor) -> list[int]:
+        """Sampled draft logit indices [b] -> target token ids."""
+        if self.vocab_ids is None:
+            return indices.tolist()
+        return self.vocab_ids[indices.cpu()].tolist()
+
+    def _to_target_probs(self, q_all: torch.Tensor) -> torch.Tensor:
+        """Draft probs [b, k, V_draft] -> [b, k, target_vocab_size], zero outside the draft vocab."""
+        if self.vocab_ids is None:
+            pad = self.target_vocab_size - q_all.shape[-1]
+            return torch.nn.functional.pad(q_all, (0, pad)) if pad else q_all
+        out = q_all.new_zeros(*q_all.shape[:-1], self.target_vocab_size)
+        return out.index_copy_(-1, self.vocab_ids.to(q_all.device), q_all)
+
+
+def _merge(known: list[int], start: int, token_ids: list[int]) -> list[int]:
+    """``known[:start] + token_ids``, checking that ``start`` lies inside what is known."""
+    if not 0 <= start <= len(known):
+        raise ValueError(f"start_position {start} outside the known committed length {len(known)}")
+    merged = known[:start] + list(token_ids)
+    if not merged:
+        raise ValueError("committed sequence is empty")
+    return merged
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
