@@ -144,3 +144,26 @@ def test_adaptive_k_changes_mid_request_and_output_stays_exact(mode: str) -> Non
             assert bad_usage.num_drafts < 40 // 2, bad_usage  # mostly undrafted after a few misses
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("data_plane", ["inline", "dist"])
+def test_sampled_draft_probs_follow_their_requests_while_k_changes(data_plane: str) -> None:
+    """Sampled requests: each Verify carries, per request, the [k, V] probs rows of the drafts it
+    carries (checked by the fake verifier), with k changing, one request undrafted and the
+    feedback balancer moving requests."""
+    work = _workload(10) + [("bad-1", [6, 2, 9], {"max_tokens": 30, "ignore_eos": True})]
+
+    async def main():
+        async with TimedHarness(mode="psd", max_num_seqs=3, num_speculative_tokens=5, k_policy="adaptive",
+                                balancer="feedback", data_plane=data_plane, delay_s=0.004) as h:
+            results = await asyncio.gather(*(h.generate(rid, p, temperature=0.8, **s) for rid, p, s in work))
+            for (rid, prompt, sampling), (tokens, _, _) in zip(work, results):
+                assert tokens == _expected(prompt, sampling), rid
+            ks = {s.k for s in h.scheduler.totals.recent if s.num_draft_tokens}
+            assert len(ks) >= 2, ks
+            if data_plane == "inline":
+                assert h.verifier.num_prob_rows > 0 and h.verifier.num_dist_fetches == 0
+            else:
+                assert h.verifier.num_dist_fetches > 0 and h.verifier.num_prob_rows == 0
+
+    asyncio.run(main())
