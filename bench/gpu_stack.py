@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, replace
 
 from bench.gpu_stack_cli import gpu_names, parse_args
-from bench.gpu_stack_report import Report, RunResult, merge_runs
+from bench.gpu_stack_report import Report, RunResult, merge_runs, summarize_step_log
 from minedraft.bench_only import fixed_acceptance_label
 from minedraft.launcher import Stack, resolve_model_dir
 from minedraft.placement import default_dtype
@@ -101,7 +101,8 @@ def _draft_name(cfg: StackConfig, model_dir: str) -> str:
 def start_front(cfg: StackConfig, mode: str, model_dir: str, run_dir: str, log=print) -> tuple[Stack, StackConfig]:
     """A coordinator (``mode``) and gateway in front of ``cfg``'s engines; SERVING on return."""
     gateway_port, coordinator_port = _ports(2)
-    front_cfg = replace(cfg, mode=mode, gateway_port=gateway_port, coordinator_port=coordinator_port)
+    front_cfg = replace(cfg, mode=mode, gateway_port=gateway_port, coordinator_port=coordinator_port,
+                        step_log=os.path.join(run_dir, "steps.jsonl"))
     front = Stack(front_cfg, run_dir=run_dir)
     try:
         front.add_services([coordinator_spec(front_cfg), gateway_spec(front_cfg, model_dir, _draft_name(cfg, model_dir))], log)
@@ -130,6 +131,7 @@ def run_modes(args, part: str, cfg: StackConfig, model_dir: str, budget: Budget,
                                                           ignore_eos=cfg.bench_fixed_acceptance is not None))
         finally:
             front.stop()
+        metrics.update(summarize_step_log(front_cfg.step_log))
         report.add(part, RunResult(mode, metrics, results))
         log(report.summary_line(part, mode))
 
@@ -165,7 +167,10 @@ def run_replicas(args, part: str, cfgs: list[StackConfig], model_dir: str, budge
     errors = [o for o in outcomes if isinstance(o, Exception)]
     if errors:
         raise errors[0]
-    report.add(part, merge_runs("2x sd", [results for _, results in outcomes], time.perf_counter() - start))
+    run = merge_runs("2x sd", [results for _, results in outcomes], time.perf_counter() - start)
+    for index, (_, front_cfg) in enumerate(fronts):   # per replica: their steps overlap in time
+        run.metrics[f"replica{index}_steps"] = summarize_step_log(front_cfg.step_log)
+    report.add(part, run)
     log(report.summary_line(part, "2x sd"))
 
 

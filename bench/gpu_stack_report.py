@@ -18,7 +18,8 @@ PAIRS = (("a", "b"), ("c", "d"))          # (modes part, replicas part) on the s
 PAPER_PARTS = ("c", "d")
 COLUMNS = (("output_tokens_per_s", "output tok/s"), ("ttft_ms_p50", "TTFT p50 ms"), ("ttft_ms_p99", "TTFT p99 ms"),
            ("latency_ms_p50", "latency p50 ms"), ("latency_ms_p99", "latency p99 ms"),
-           ("mean_acceptance_length", "mean acceptance length"))
+           ("mean_acceptance_length", "mean acceptance length"), ("step_wall_ms_mean", "step ms"),
+           ("step_draft_ms_mean", "draft ms/step"), ("step_verify_ms_mean", "verify ms/step"))
 TITLES = {"a": "{target} target + {draft} draft, verifier {gpu0}, drafter {gpu1}",
           "b": "standard SD on the same hardware: 2 sd replicas, one per {gpu} (draft + target on each), "
                "prompts split between them",
@@ -49,6 +50,24 @@ def merge_runs(mode: str, result_lists: list[list], wall_s: float) -> RunResult:
     """Replicas run at once: metrics over all their requests, throughput over the common wall time."""
     results = [r for results in result_lists for r in results]
     return RunResult(mode, summarize(results, wall_s), results)
+
+
+STEP_FIELDS = ("wall_ms", "draft_ms", "verify_ms", "data_plane_ms", "idle_ms")
+
+
+def summarize_step_log(path: str) -> dict:
+    """Mean per-step times (ms) of a coordinator ``--step-log`` JSONL (``coordinator.stats.StepStats``
+    fields: step wall time, drafter and verifier compute, data plane, verifier idle) and the
+    number of steps; ``{}`` when the file is missing or empty."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            steps = [json.loads(line) for line in f if line.strip()]
+    except OSError:
+        return {}
+    if not steps:
+        return {}
+    means = {f"step_{key}_mean": sum(float(s.get(key, 0.0)) for s in steps) / len(steps) for key in STEP_FIELDS}
+    return {"num_steps": len(steps), **means}
 
 
 def _by_question(results: list) -> dict[str, list[int]]:

@@ -68,3 +68,14 @@ def test_report_ratios_equality_and_labels(tmp_path):
     markdown = (tmp_path / "results.md").read_text()
     assert "part c" in markdown and "**BENCHMARK-ONLY fixed acceptance 0.7**" in markdown
     assert payload["paper_scale_expected_mean_acceptance_length"] == sum(0.7 ** i for i in range(5))
+
+
+def test_summarize_step_log(tmp_path):
+    from bench.gpu_stack_report import summarize_step_log
+
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps({"wall_ms": w, "draft_ms": d, "verify_ms": v, "data_plane_ms": 0.5,
+                                        "idle_ms": w - v}) + "\n" for w, d, v in ((10, 4, 8), (20, 6, 12))))
+    summary = summarize_step_log(str(path))
+    assert summary["num_steps"] == 2 and summary["step_wall_ms_mean"] == 15 and summary["step_draft_ms_mean"] == 5
+    assert summary["step_idle_ms_mean"] == 5 and summarize_step_log(str(tmp_path / "missing.jsonl")) == {}
