@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 SLOT_ATTENTION_NAME = "minedraft_slot"
 SLOT_METADATA_KWARG = "slot_metadata"
@@ -257,13 +257,34 @@ def slot_attention_forward(
         return _static_attention(k_cache, v_cache, query, key, value, meta, scaling), None
     meta.cache.write(module.layer_idx, meta, key, value)
     k_all, v_all = meta.cache.read(module.layer_idx, meta)
-    num_groups = query.shape[1] // k_all.shape[1]
-    k_all = repeat_kv(k_all, num_groups).to(query.dtype)
-    v_all = repeat_kv(v_all, num_groups).to(query.dtype)
+    return _grouped_attention(query, k_all, v_all, meta.attn_mask, scaling), None
+
+
+def _grouped_attention(
+    query: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, attn_mask: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Grouped-query SDPA without repeating K/V: the ``G = H / KVH`` query heads of each KV
+    head are folded into the query axis (row ``g * q + t`` is head g's token t), so the cache
+    prefix is read once instead of copied G times per layer (issue 8: the ``repeat_kv`` copies
+    were a large share of a CPU decode step's memory traffic).
+
+    Shapes: query ``[b, H, q, d]``; k_all/v_all ``[b, KVH, kv_len, d]``; attn_mask
+    ``[b, 1, q, kv_len]`` bool; returns ``[b, q, H, d]``.
+    """
+    batch, num_heads, q_len, head_dim = query.shape
+    num_kv_heads = k_all.shape[1]
+    num_groups = num_heads // num_kv_heads
+    if num_groups == 1:
+        folded, mask = query, attn_mask
+    else:
+        folded = query.reshape(batch, num_kv_heads, num_groups * q_len, head_dim)
+        mask = attn_mask.repeat(1, 1, num_groups, 1)                   # [b, 1, G*q, kv_len]
     out = F.scaled_dot_product_attention(
-        query, k_all, v_all, attn_mask=meta.attn_mask, dropout_p=0.0, scale=scaling
-    )
-    return out.transpose(1, 2).contiguous(), None
+        folded, k_all.to(query.dtype), v_all.to(query.dtype), attn_mask=mask, dropout_p=0.0,
+        scale=scaling,
+    )                                                                    # [b, KVH, G*q, d]
+    return out.reshape(batch, num_heads, q_len, head_dim).transpose(1, 2).contiguous()
 
 
 def _static_attention(
