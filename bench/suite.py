@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from bench.loadgen import SPEC_BENCH_TASKS, LoadConfig, load_spec_bench, run_load
 from bench.report import compute_ratios, greedy_check, markdown, plot
 from bench.stats import SpecCounts, spec_counts_from_usage, step_split, summarize, summarize_by_task
-from bench.systems import OURS, SYSTEMS, OursSystem, VllmSystem
+from bench.systems import AUTO_DTYPE, BENCH_DTYPES, OURS, SYSTEMS, OursSystem, VllmSystem, resolve_bench_dtype
 from minedraft.prompts import write_json
 
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "spec_bench",
@@ -65,6 +65,7 @@ class SuiteConfig:
     vllm_reserved_cpus: int = 1
     vllm_args: tuple[str, ...] = ()
     startup_timeout_s: float = 1200.0
+    dtype: str = "float32"  # ours and vLLM; the CLI's --dtype auto picks bfloat16 on bf16 CPUs
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.systems if s not in SYSTEMS]
@@ -77,7 +78,8 @@ class SuiteConfig:
                   "num_warmup": (self.num_warmup >= 0, "must be >= 0"),
                   "vllm_reserved_cpus": (self.vllm_reserved_cpus >= 0, "must be >= 0"),
                   "vllm_kv_cache_gib": (self.vllm_kv_cache_gib >= 1, "must be >= 1"),
-                  "data": (os.path.isfile(self.data), "no such file")}
+                  "data": (os.path.isfile(self.data), "no such file"),
+                  "dtype": (self.dtype in BENCH_DTYPES, f"must be one of {BENCH_DTYPES}")}
         for name, (is_ok, reason) in checks.items():
             if not is_ok:
                 raise ValueError(f"{name}: {reason}, got {getattr(self, name)!r}")
@@ -119,9 +121,10 @@ def _start(system: str, cfg: SuiteConfig, m: int, k: int, logs: str, model_dir: 
     spec = SYSTEMS[system]
     if spec.family == OURS:
         return OursSystem(spec, model_dir, cfg.target, cfg.draft, m, k, cfg.max_model_len, logs,
-                          cfg.startup_timeout_s)
+                          cfg.startup_timeout_s, dtype=cfg.dtype)
     return VllmSystem(spec, cfg.vllm_python, export["target"], export["draft"], m, k, cfg.max_model_len, logs,
-                      cfg.vllm_kv_cache_gib, cfg.vllm_reserved_cpus, cfg.startup_timeout_s, cfg.vllm_args)
+                      cfg.vllm_kv_cache_gib, cfg.vllm_reserved_cpus, cfg.startup_timeout_s, cfg.vllm_args,
+                      dtype=cfg.dtype)
 
 
 def _spec_counts(before: dict, after: dict) -> SpecCounts | None:
@@ -218,6 +221,9 @@ def _meta(cfg: SuiteConfig, command: str, export: dict | None) -> dict:
     notes.append("every system keeps 2m requests resident at concurrency 2m: ours ar/sd/sd-2core and vLLM with "
                  "max_num_seqs = 2m, psd with two batches of m")
     notes.append("CPU timings: one shared host; TTFT/latency include queueing at concurrency 2m")
+    notes.append(f"dtype: {cfg.dtype} for ours and vLLM (weights, activations, KV cache)"
+                 + ("; bf16 kernels are not batch invariant: greedy sd/psd outputs may differ from ar's at "
+                    "near-ties (bench/results/cpu_step_identity_bfloat16.json)" if cfg.dtype == "bfloat16" else ""))
     if export:
         notes.append(export["draft_meta"]["note"])
     return {"name": cfg.name, "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -260,6 +266,8 @@ def parse_args(argv: list[str] | None) -> SuiteConfig:
                    help="VLLM_CPU_KVCACHE_SPACE (GiB; 4 holds 2m=32 requests of 2048 tokens, target + draft)")
     p.add_argument("--vllm-reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU")
     p.add_argument("--vllm-args", default="", help="extra vLLM server arguments (one string, shell-split)")
+    p.add_argument("--dtype", default=AUTO_DTYPE, help=f"ours and vLLM: {AUTO_DTYPE} (bfloat16 if the CPU has "
+                   f"native bf16, else float32) or one of {','.join(BENCH_DTYPES)}")
     a = p.parse_args(argv)
     return SuiteConfig(name=a.name, out_dir=a.out_dir or os.path.join("bench", "results", "suite", a.name),
                        work_dir=a.work_dir or os.path.join("runs", "bench", a.name),
@@ -268,7 +276,8 @@ def parse_args(argv: list[str] | None) -> SuiteConfig:
                        systems=tuple(s for s in a.systems.split(",") if s), target=a.target, draft=a.draft,
                        max_model_len=a.max_model_len, ignore_eos=a.ignore_eos, seed=a.seed, num_warmup=a.num_warmup,
                        vllm_python=a.vllm_python, vllm_kv_cache_gib=a.vllm_kv_cache_gib,
-                       vllm_reserved_cpus=a.vllm_reserved_cpus, vllm_args=tuple(shlex.split(a.vllm_args)))
+                       vllm_reserved_cpus=a.vllm_reserved_cpus, vllm_args=tuple(shlex.split(a.vllm_args)),
+                       dtype=resolve_bench_dtype(a.dtype))
 
 
 def main(argv: list[str] | None = None) -> int:

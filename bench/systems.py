@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 OURS, VLLM = "ours", "vllm"
 NO_METRICS: dict[str, float] = {}
+AUTO_DTYPE = "auto"  # bench dtype: bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX), else float32
+BENCH_DTYPES = ("float32", "bfloat16")
 VLLM_SPEC_COUNTERS = {"num_drafts": "vllm:spec_decode_num_drafts", "num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
                       "num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
 
@@ -111,11 +113,31 @@ def vllm_spec_counters(metrics_text: str | None) -> dict[str, float]:
     return totals
 
 
+def resolve_bench_dtype(dtype: str) -> str:
+    """The dtype both ours and vLLM run in: ``dtype`` itself, or for ``auto`` bfloat16 when the
+    CPU has native bf16 matmuls (AVX512-BF16 or AMX; bench.cpu_step measured bf16 steps ~1.5x
+    faster at batch >= 4 there) and float32 otherwise. bf16 greedy outputs of sd/psd may differ
+    from ar's at near-ties (bench/results/cpu_step_identity_bfloat16.json).
+
+    Raises:
+        ValueError: ``dtype`` is not ``auto`` or one of ``BENCH_DTYPES``.
+    """
+    if dtype == AUTO_DTYPE:
+        import torch
+
+        has_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        return "bfloat16" if has_bf16 and torch.backends.mkldnn.is_available() else "float32"
+    if dtype not in BENCH_DTYPES:
+        raise ValueError(f"dtype must be {AUTO_DTYPE!r} or one of {BENCH_DTYPES}, got {dtype!r}")
+    return dtype
+
+
 class OursSystem:
     """Our stack (verifier, drafter, coordinator, gateway with HTTP API) as a context manager."""
 
     def __init__(self, spec: SystemSpec, model_dir: str, target: str, draft: str, m: int, k: int,
-                 max_model_len: int, logs_dir: str, startup_timeout_s: float = 900.0) -> None:
+                 max_model_len: int, logs_dir: str, startup_timeout_s: float = 900.0,
+                 dtype: str = "float32") -> None:
         from minedraft.launcher import Stack
         from minedraft.stack import StackConfig, free_loopback_ports
 
@@ -127,7 +149,7 @@ class OursSystem:
                           num_engine_threads=spec.num_engine_threads, gateway_port=gateway,
                           coordinator_port=coordinator, drafter_port=drafter, verifier_port=verifier, dist_port=dist,
                           http_port=http, step_log=self._step_log, runs_dir=logs_dir,
-                          startup_timeout_s=startup_timeout_s)
+                          startup_timeout_s=startup_timeout_s, dtype=dtype)
         self._stack = Stack(cfg, run_dir=logs_dir)
         self._model_dir = model_dir
         self.endpoint = Endpoint(f"http://127.0.0.1:{http}/v1", os.path.basename(os.path.normpath(target)),
@@ -156,13 +178,15 @@ class VllmSystem:
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache; the CPU build's memory knob).
         reserved_cpus: ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (cores left to the API server).
         extra_args: appended to the server's command line (e.g. ``-O0`` to skip compilation).
+        dtype: ``--dtype`` of the server (the suite passes the same dtype to ours).
     Raises (on enter):
         RuntimeError: the server exited or was not healthy within ``startup_timeout_s``.
     """
 
     def __init__(self, spec: SystemSpec, python: str, target_dir: str, draft_dir: str, m: int, k: int,
                  max_model_len: int, logs_dir: str, kv_cache_gib: int = 4, reserved_cpus: int = 1,
-                 startup_timeout_s: float = 900.0, extra_args: tuple[str, ...] = ()) -> None:
+                 startup_timeout_s: float = 900.0, extra_args: tuple[str, ...] = (),
+                 dtype: str = "float32") -> None:
         from minedraft.stack import free_loopback_ports
 
         (port,) = free_loopback_ports(1)
@@ -173,7 +197,7 @@ class VllmSystem:
         model = "minedraft-bench-target"
         argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target_dir, "--served-model-name",
                 model, "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(spec.max_num_seqs(m)),
-                "--max-model-len", str(max_model_len), "--dtype", "float32", "--seed", "0"]
+                "--max-model-len", str(max_model_len), "--dtype", dtype, "--seed", "0"]
         speculative = {"sd": {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": k},
                        "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
                                  "prompt_lookup_min": 2}}.get(spec.mode)
