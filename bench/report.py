@@ -10,7 +10,8 @@ import math
 from bench.stats import ratio
 
 OURS_VS_VLLM = (("ar", "vllm-ar"), ("sd", "vllm-sd"), ("psd", "vllm-sd"))
-RATIO_PAIRS = (("psd", "sd"), ("psd", "ar"), ("psd", "sd-2core"), ("sd", "ar")) + OURS_VS_VLLM
+RATIO_PAIRS = (("psd", "sd"), ("psd", "ar"), ("psd", "sd-2core"), ("sd", "ar"),
+               ("psd-adaptive", "psd"), ("auto", "psd"), ("auto", "ar")) + OURS_VS_VLLM
 TABLE_COLUMNS = (("output_tokens_per_s", "out tok/s", 2), ("requests_per_s", "req/s", 3),
                  ("ttft_ms_p50", "TTFT p50 ms", 0), ("ttft_ms_p99", "TTFT p99 ms", 0),
                  ("latency_ms_p50", "lat p50 ms", 0), ("latency_ms_p99", "lat p99 ms", 0),

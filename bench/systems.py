@@ -5,7 +5,9 @@ Ours (gateway's OpenAI-compatible HTTP API, stack started with ``minedraft.launc
 - ``sd``: standard speculative decoding, verifier/drafter pinned to cores 0/1, max_num_seqs = 2m;
 - ``psd``: MineDraft, two batches of m (2m resident), verifier/drafter pinned to cores 0/1;
 - ``sd-2core``: ``sd`` given the same hardware as ``psd`` differently: no pinning, both engines
-  with 2 torch threads each, max_num_seqs = 2m.
+  with 2 torch threads each, max_num_seqs = 2m;
+- ``psd-adaptive``: ``psd`` with adaptive k (issue 10); ``auto``: per-step choice of ar/sd/psd with
+  adaptive k and the feedback balancer, m per batch (2m resident).
 vLLM CPU build (``.venv-vllm``, OpenAI API server as a subprocess, max_num_seqs = 2m):
 - ``vllm-ar``: no speculation; ``vllm-sd``: ``draft_model`` speculation with our exported draft
   (``bench.export_hf``: full-vocabulary head, see there); ``vllm-ngram``: n-gram speculation
@@ -49,6 +51,8 @@ class SystemSpec:
     mode: str
     is_pinned: bool = True
     num_engine_threads: int = 1
+    k_policy: str = "fixed"
+    balancer: str = "paper"
     note: str = ""
 
     @property
@@ -57,7 +61,7 @@ class SystemSpec:
 
     def max_num_seqs(self, m: int) -> int:
         """Requests per batch so that 2m stay resident: m for psd (two batches), else 2m."""
-        return m if self.mode == "psd" else 2 * m
+        return m if self.mode in ("psd", "auto") else 2 * m
 
     def num_cores(self, num_usable: int, vllm_reserved_cpus: int) -> int:
         """CPU cores the system's engines use (for tokens/s per core)."""
@@ -72,6 +76,10 @@ SYSTEMS = {s.name: s for s in (
     SystemSpec("psd", OURS, "psd", note="two batches of m (2m resident), verifier/drafter pinned to cores 0/1"),
     SystemSpec("sd-2core", OURS, "sd", is_pinned=False, num_engine_threads=2,
                note="sd with both cores: no pinning, 2 torch threads per engine"),
+    SystemSpec("psd-adaptive", OURS, "psd", k_policy="adaptive",
+               note="psd with adaptive k (k per batch toward t_draft = t_verify, at most --k)"),
+    SystemSpec("auto", OURS, "auto", k_policy="adaptive", balancer="feedback",
+               note="per-step choice of ar/sd/psd, adaptive k, feedback balancer; 2m resident"),
     SystemSpec("vllm-ar", VLLM, "ar", note="vLLM CPU build, no speculation"),
     SystemSpec("vllm-sd", VLLM, "sd", note="vLLM draft_model speculation; its draft uses the FULL vocabulary head "
                                            "(ours: FR-Spec 16384-id head)"),
@@ -146,7 +154,8 @@ class OursSystem:
         self._step_log = os.path.join(logs_dir, "steps.jsonl")
         cfg = StackConfig(mode=spec.mode, num_speculative_tokens=k, max_num_seqs=spec.max_num_seqs(m), target=target,
                           draft=draft, max_model_len=max_model_len, is_pinned=spec.is_pinned,
-                          num_engine_threads=spec.num_engine_threads, gateway_port=gateway,
+                          num_engine_threads=spec.num_engine_threads, k_policy=spec.k_policy,
+                          balancer=spec.balancer, gateway_port=gateway,
                           coordinator_port=coordinator, drafter_port=drafter, verifier_port=verifier, dist_port=dist,
                           http_port=http, step_log=self._step_log, runs_dir=logs_dir,
                           startup_timeout_s=startup_timeout_s, dtype=dtype)
