@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from specdec import generate as gen
+from specdec import generate_cli as gen_cli
 
 MODES = ("ar", "sd", "psd")
 
@@ -29,13 +30,13 @@ def run_mode(mode: str, args: argparse.Namespace) -> tuple[dict[str, list[int]],
     """Output token ids per request id, and the loop's throughput/acceptance stats."""
     from transformers import AutoTokenizer
 
-    gen_args = gen._parse_args(["--mode", mode, "--k", str(args.k), "--limit", str(args.limit),
+    gen_args = gen_cli.parse_args(["--mode", mode, "--k", str(args.k), "--limit", str(args.limit),
                                 "--max-tokens", str(args.max_tokens), "--temperature", "0",
                                 "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)])
-    target, drafter, tokenizer_dir = gen._build_workers(gen_args)
+    target, drafter, tokenizer_dir = gen_cli.build_workers(gen_args)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     requests = []
-    for i, text in enumerate(gen._read_prompts(gen_args.prompts, args.limit)):
+    for i, text in enumerate(gen_cli.read_prompts(gen_args.prompts, args.limit)):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                             add_generation_prompt=True, tokenize=True,
                                             return_dict=False)

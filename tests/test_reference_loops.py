@@ -189,13 +189,13 @@ def _top2_gap(runner, sequence):
 def test_real_smollm2_greedy_sd_psd_equal_ar(smollm2_dir):
     from transformers import AutoTokenizer
 
-    from specdec.generate import _read_prompts
+    from specdec.generate_cli import read_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                   add_generation_prompt=True, tokenize=True,
                                                   return_dict=False))
-               for text in _read_prompts(SPEC_BENCH, NUM_REAL_PROMPTS)]
+               for text in read_prompts(SPEC_BENCH, NUM_REAL_PROMPTS)]
     cache_cfg = CacheConfig(max_num_seqs=NUM_REAL_PROMPTS + 1,
                             max_model_len=max(map(len, prompts)) + REAL_MAX_TOKENS + REAL_K + 2)
     target_runner = ModelRunner(ModelConfig(model=smollm2_dir), cache_cfg)
