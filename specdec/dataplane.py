@@ -63,6 +63,7 @@ from specdec.dataplane_common import (  # noqa: F401 (re-exported: the plane's p
     STATUS_MISSING,
     STATUS_FOUND,
     ID_SEPARATOR,
+    check_probs,
     _HEADER_LEN,
     _OP_TIMEOUT,
     _DTYPE_CODES,
@@ -149,12 +150,7 @@ class DraftProbsServer:
         Raises:
             ValueError: shape/ids mismatch, unsupported dtype, or an id containing NUL.
         """
-        if probs.dim() != 3 or probs.shape[0] != len(request_ids):
-            raise ValueError(f"probs must be [b={len(request_ids)}, k, V], got {tuple(probs.shape)}")
-        if probs.dtype not in _DTYPE_CODES:
-            raise ValueError(f"probs dtype {probs.dtype} not supported by the dist plane")
-        if any(ID_SEPARATOR in rid for rid in request_ids):
-            raise ValueError("request ids must not contain NUL")
+        check_probs(request_ids, probs, _DTYPE_CODES, "dist")
         with self._lock:
             kept = probs.detach() if probs.is_cuda else probs.detach().to("cpu")  # NCCL sends from the GPU
             self._buffer[step_id] = (tuple(request_ids), kept.contiguous())

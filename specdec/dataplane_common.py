@@ -55,3 +55,18 @@ class DistPlaneConfig:
             raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
         if self.max_buffered_steps < 1:
             raise ValueError(f"max_buffered_steps must be >= 1, got {self.max_buffered_steps}")
+
+
+def check_probs(request_ids: list[str], probs: torch.Tensor, dtypes, plane: str) -> None:
+    """Validate draft probs ``probs`` [b, k, V] of ``request_ids`` (len b) before publishing.
+
+    Raises:
+        ValueError: shape/ids mismatch, a dtype not in ``dtypes`` (named with ``plane``), or an
+            id containing NUL (``ID_SEPARATOR``).
+    """
+    if probs.dim() != 3 or probs.shape[0] != len(request_ids):
+        raise ValueError(f"probs must be [b={len(request_ids)}, k, V], got {tuple(probs.shape)}")
+    if probs.dtype not in dtypes:
+        raise ValueError(f"probs dtype {probs.dtype} not supported by the {plane} plane")
+    if any(ID_SEPARATOR in rid for rid in request_ids):
+        raise ValueError("request ids must not contain NUL")

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from specdec import dataplane_shm as shm
-from specdec.dataplane_common import ID_SEPARATOR, DataPlaneUnavailableError, DraftProbsMissingError
+from specdec.dataplane_common import ID_SEPARATOR, DataPlaneUnavailableError, DraftProbsMissingError, check_probs
 from specdec.dataplane_ipc_layout import (  # noqa: F401 (IpcPlaneConfig, PROBS_DTYPES: public here too)
     DESC_BYTES, HDR_DESC_LEN, HDR_GENERATION, HDR_IDS_BYTES, HDR_INSTANCE, HDR_MAGIC, HDR_NUM_SLOTS,
     HDR_SLOT_BYTES, HEADER_WORDS, MAGIC, PROBS_DTYPES, SLOT_B, SLOT_DTYPE, SLOT_IDS_LEN, SLOT_K, SLOT_SEQ,
@@ -116,12 +116,7 @@ class IpcProbsServer:
         Raises:
             ValueError: shape/ids mismatch, unsupported dtype, NUL in an id, ids over ``max_ids_bytes``.
         """
-        if probs.dim() != 3 or probs.shape[0] != len(request_ids):
-            raise ValueError(f"probs must be [b={len(request_ids)}, k, V], got {tuple(probs.shape)}")
-        if probs.dtype not in PROBS_DTYPES:
-            raise ValueError(f"probs dtype {probs.dtype} not supported by the ipc plane")
-        if any(ID_SEPARATOR in rid for rid in request_ids):
-            raise ValueError("request ids must not contain NUL")
+        check_probs(request_ids, probs, PROBS_DTYPES, "ipc")
         id_bytes = ID_SEPARATOR.join(request_ids).encode()
         if len(id_bytes) > self.cfg.max_ids_bytes:
             raise ValueError(f"request ids take {len(id_bytes)} bytes, max_ids_bytes is {self.cfg.max_ids_bytes}")

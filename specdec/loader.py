@@ -122,20 +122,32 @@ def _converted_dir(gguf_path: str) -> str:
     key = f"{os.path.realpath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     stem = os.path.basename(gguf_path)[: -len(GGUF_SUFFIX)]
-    models_dir = os.path.join(cache_root(), "models")
-    final_dir = os.path.join(models_dir, f"{stem}-{digest}")
-    if os.path.isfile(os.path.join(final_dir, HF_CONFIG_FILE)):
+    final_dir = os.path.join(cache_root(), "models", f"{stem}-{digest}")
+    return build_cached_dir(final_dir, HF_CONFIG_FILE, lambda tmp_dir: _convert_gguf(gguf_path, tmp_dir))
+
+
+def build_cached_dir(final_dir: str, marker_file: str, build) -> str:
+    """``final_dir``, built once by ``build(tmp_dir)`` in a temp dir beside it, then renamed.
+
+    The dir counts as complete when ``marker_file`` exists in it; a concurrent builder that
+    renamed first wins and its dir is used. Entries are made readable for a shared cache.
+
+    Raises:
+        OSError: the rename failed and no complete dir exists.
+    """
+    if os.path.isfile(os.path.join(final_dir, marker_file)):
         return final_dir
-    os.makedirs(models_dir, exist_ok=True)
-    tmp_dir = tempfile.mkdtemp(prefix=f".{stem}.tmp-", dir=models_dir)
+    parent = os.path.dirname(final_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(final_dir)}.tmp-", dir=parent)
     try:
-        _convert_gguf(gguf_path, tmp_dir)
+        build(tmp_dir)
         _make_readable(tmp_dir)
         os.rename(tmp_dir, final_dir)
     except OSError:
-        if not os.path.isfile(os.path.join(final_dir, HF_CONFIG_FILE)):
+        if not os.path.isfile(os.path.join(final_dir, marker_file)):
             raise
-        # another process finished the same conversion first: use its dir
+        # another process finished the same build first: use its dir
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return final_dir

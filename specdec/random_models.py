@@ -44,7 +44,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -201,25 +200,11 @@ def model_dir(model: str) -> str:
     Raises:
         ValueError: bad spec.
     """
-    from specdec.loader import cache_root
+    from specdec.loader import build_cached_dir, cache_root
 
     preset, seed = parse_spec(model)
-    models_dir = os.path.join(cache_root(), "models")
-    final_dir = os.path.join(models_dir, f"random-{preset}-s{seed}")
-    if os.path.isfile(os.path.join(final_dir, RANDOM_MARKER)):
-        return final_dir
-    os.makedirs(models_dir, exist_ok=True)
-    tmp_dir = tempfile.mkdtemp(prefix=f".random-{preset}.tmp-", dir=models_dir)
-    try:
-        _write_dir(tmp_dir, model, preset, seed)
-        os.chmod(tmp_dir, 0o755)
-        os.rename(tmp_dir, final_dir)
-    except OSError:
-        if not os.path.isfile(os.path.join(final_dir, RANDOM_MARKER)):
-            raise
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-    return final_dir
+    final_dir = os.path.join(cache_root(), "models", f"random-{preset}-s{seed}")
+    return build_cached_dir(final_dir, RANDOM_MARKER, lambda tmp_dir: _write_dir(tmp_dir, model, preset, seed))
 
 
 def _write_dir(out_dir: str, model: str, preset: str, seed: int) -> None:
