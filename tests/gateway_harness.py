@@ -1,0 +1,112 @@
+"""A fake coordinator for the gateway tests (test_gateway*.py, test_http_api.py).
+
+The fake coordinator (grpc.aio, in a thread of the test process) replays a scripted list of token
+chunks per request, records aborts, and lets the test flip its health.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from minedraft.serving import ServerOptions, build_server
+from minedraft.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+MAX_MODEL_LEN = 64
+MODEL_NAME = "tiny-test-model"
+STARTUP_TIMEOUT_S = 120.0
+
+
+class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
+    """Replays ``script`` (list of token-id lists, one per step) for every request."""
+
+    def __init__(self) -> None:
+        self.script: list[list[int]] = []
+        self.step_delay_s = 0.0
+        self.requests: list[coordinator_pb2.CoordinatorGenerateRequest] = []
+        self.aborted: list[str] = []
+        self.error: common_pb2.GenerateError | None = None
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        if self.error is not None:
+            yield coordinator_pb2.CoordinatorGenerateResponse(error=self.error)
+            return
+        num_emitted = 0
+        for step, ids in enumerate(self.script):
+            if request.request_id in self.aborted:
+                yield coordinator_pb2.CoordinatorGenerateResponse(finished=coordinator_pb2.Finished(finish_reason="abort"))
+                return
+            await asyncio.sleep(self.step_delay_s)
+            drafted = 0 if step == 0 else 3
+            yield coordinator_pb2.CoordinatorGenerateResponse(chunk=coordinator_pb2.TokenChunk(
+                token_ids=ids, logprobs=[-0.5] * len(ids), num_draft_tokens=drafted,
+                num_accepted_tokens=len(ids) - 1 if drafted else 0))
+            num_emitted += len(ids)
+        usage = common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=num_emitted,
+                                 num_draft_tokens=3 * (len(self.script) - 1),
+                                 num_accepted_tokens=num_emitted - len(self.script))
+        yield coordinator_pb2.CoordinatorGenerateResponse(
+            finished=coordinator_pb2.Finished(finish_reason="length", usage=usage))
+
+    async def Abort(self, request, context):
+        self.aborted.append(request.request_id)
+        return common_pb2.AbortResponse(found=True)
+
+    async def GetStatus(self, request, context):
+        return coordinator_pb2.StatusResponse(mode="psd")
+
+
+class FakeCoordinatorThread:
+    """Runs the fake coordinator's grpc.aio server in a background event loop."""
+
+    def __init__(self) -> None:
+        self.servicer = FakeCoordinator()
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.server, self.health, self.port = self._call(self._start())
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
+
+    async def _start(self):
+        server, health, port = await build_server(["minedraft.v1.Coordinator"], ServerOptions(port=0))
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.servicer, server)
+        await server.start()
+        return server, health, port
+
+    def set_serving(self) -> None:
+        self._call(self.health.set_serving())
+
+    def stop(self) -> None:
+        self._call(self.server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _health(port: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def _wait_until_up(port: int, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stderr.read().decode()
+        try:
+            _health(port)
+            return
+        except grpc.RpcError:
+            time.sleep(0.2)
+    raise TimeoutError("gateway did not start")

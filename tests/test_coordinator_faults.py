@@ -1,0 +1,119 @@
+"""Coordinator faults against the fake engines (tests/coordinator_harness.py): aborts mid-stream,
+a drafter outage (fallback to ar, then recovery), a failing verifier, a refused prompt, invalid
+and excess requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from coordinator_harness import BAD_TOKEN, Harness, _expected, _workload, toy_next, wait_until
+from minedraft.v1 import common_pb2, coordinator_pb2, engine_pb2
+
+
+def test_abort_mid_stream_frees_slots_in_both_engines() -> None:
+    async def main():
+        async with Harness(mode="psd", max_num_seqs=2, delay_s=0.01) as h:
+            call = h.stub.Generate(coordinator_pb2.CoordinatorGenerateRequest(
+                request_id="cancelled", prompt_token_ids=[4, 5], sampling=common_pb2.SamplingParams(max_tokens=500, ignore_eos=True)))
+            aborted = asyncio.create_task(h.generate("aborted", [6, 7], max_tokens=500, ignore_eos=True))
+            others = [asyncio.create_task(h.generate(rid, p, **s)) for rid, p, s in _workload(5)]
+            num_chunks = 0
+            async for _ in call:
+                num_chunks += 1
+                if num_chunks == 3:
+                    call.cancel()
+                    break
+            assert (await h.stub.Abort(common_pb2.AbortRequest(request_id="aborted"))).found
+            tokens, reason, usage = await aborted
+            assert reason == "abort" and tokens == _expected([6, 7], {"max_tokens": 500, "ignore_eos": True})[: len(tokens)]
+            assert not (await h.stub.Abort(common_pb2.AbortRequest(request_id="never-seen"))).found
+            for task, (rid, prompt, sampling) in zip(others, _workload(5)):
+                assert (await task)[0] == _expected(prompt, sampling)
+            await wait_until(lambda: not h.verifier.committed and not h.drafter.known, timeout_s=5)
+            assert (await h.stub.GetStatus(coordinator_pb2.StatusRequest())).num_running == 0
+
+    asyncio.run(main())
+
+
+def test_drafter_outage_falls_back_to_ar_and_recovers() -> None:
+    work = _workload(8)
+
+    async def main():
+        async with Harness(mode="psd", max_num_seqs=2, delay_s=0.005) as h:
+            tasks = [asyncio.create_task(h.generate(rid, p, max_tokens=60, ignore_eos=True)) for rid, p, _ in work]
+            await wait_until(lambda: h.scheduler.totals.num_steps >= 4)
+            h.drafter.is_failing = True
+            await wait_until(lambda: not h.scheduler.is_drafter_available)
+            status = await h.stub.GetStatus(coordinator_pb2.StatusRequest())
+            assert status.effective_mode == "ar" and not status.is_drafter_available
+            steps_in_ar = h.scheduler.totals.num_steps
+            await wait_until(lambda: h.scheduler.totals.num_steps >= steps_in_ar + 3)
+            h.drafter.known.clear()  # the drafter restarted and lost its state
+            calls_before = h.drafter.num_draft_calls
+            h.drafter.is_failing = False
+            for task, (rid, prompt, _) in zip(tasks, work):
+                assert (await task)[0] == _expected(prompt, {"max_tokens": 60, "ignore_eos": True}), rid
+            assert h.scheduler.is_drafter_available and h.drafter.num_draft_calls > calls_before
+
+    asyncio.run(main())
+
+
+def test_verifier_failure_fails_running_requests_and_loop_keeps_serving() -> None:
+    async def main():
+        async with Harness(mode="psd", max_num_seqs=2, delay_s=0.005) as h:
+            tasks = [asyncio.create_task(h.generate(f"r{i}", [3, i], max_tokens=300, ignore_eos=True)) for i in range(3)]
+            await wait_until(lambda: h.scheduler.totals.num_steps >= 3)
+            h.verifier.is_failing = True
+            for tokens, reason, error in await asyncio.gather(*tasks):
+                assert reason == "error" and error.code == grpc.StatusCode.UNAVAILABLE.value[0] and tokens
+            h.verifier.is_failing = False
+            tokens, reason, _ = await h.generate("after", [8, 9], max_tokens=12)
+            assert tokens == _expected([8, 9], {"max_tokens": 12})
+            await asyncio.sleep(0.05)
+            assert not h.verifier.committed and not h.drafter.known
+
+    asyncio.run(main())
+
+
+def test_a_refused_prompt_fails_alone() -> None:
+    async def main():
+        async with Harness(mode="psd", max_num_seqs=3) as h:
+            work = _workload(6)
+            tasks = [h.generate(rid, p, **s) for rid, p, s in work] + [h.generate("bad", [4, BAD_TOKEN], max_tokens=5)]
+            *results, bad = await asyncio.gather(*tasks)
+            assert bad[1] == "error" and bad[2].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            for (rid, prompt, sampling), (tokens, reason, _) in zip(work, results):
+                assert tokens == _expected(prompt, sampling), rid
+            await wait_until(lambda: not h.verifier.committed and not h.drafter.known, timeout_s=5)
+            seqs = [engine_pb2.SeqInit(request_id=rid, prompt_token_ids=prompt) for rid, prompt in
+                    (("ok-1", [3, 4]), ("bad-1", [BAD_TOKEN]), ("ok-2", [5]))]
+            outcomes = await h.scheduler.engines.prefill_verifier(seqs)  # the batch is retried one by one
+            assert outcomes["bad-1"].code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert [outcomes[r].token_ids[0] for r in ("ok-1", "ok-2")] == [toy_next([3, 4]), toy_next([5])]
+
+    asyncio.run(main())
+
+
+def test_invalid_and_excess_requests_get_errors() -> None:
+    async def main():
+        async with Harness(mode="sd", max_num_seqs=1, max_queue_len=1, delay_s=0.02) as h:
+            _, reason, error = await h.generate("bad", [1, 2], max_tokens=0)
+            assert reason == "error" and error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            _, reason, error = await h.generate("empty", [], max_tokens=3)
+            assert reason == "error" and "prompt_token_ids" in error.message
+            _, reason, error = await h.generate("neg-stop", [1], max_tokens=3, stop_token_ids=[-4])
+            assert reason == "error" and "stop_token_ids" in error.message
+            running = asyncio.create_task(h.generate("running", [3, 4], max_tokens=40, ignore_eos=True))
+            await wait_until(lambda: bool(h.scheduler.running))
+            queued = asyncio.create_task(h.generate("queued", [3, 5], max_tokens=4))
+            await wait_until(lambda: bool(h.scheduler.waiting))
+            _, reason, error = await h.generate("excess", [3, 6], max_tokens=4)
+            assert reason == "error" and error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            _, reason, error = await h.generate("queued", [3, 5], max_tokens=4)
+            assert reason == "error" and error.code == grpc.StatusCode.ALREADY_EXISTS.value[0]
+            assert [(await task)[1] for task in (running, queued)] == ["length", "length"]
+
+    asyncio.run(main())
