@@ -7,18 +7,24 @@ verification take equally long; the paper fixes k and leaves adapting it as futu
 Per batch (PSD batch 0 or 1, or the one ``sd`` batch of n requests) the next k maximises
 expected committed tokens per unit of step time (``coordinator.cost_model``)::
 
-    k* = argmax_{1 <= k <= k_max}  n * E(alpha, k) / T(n, k)
+    k* = argmax_{1 <= k <= k_max}  n * E(alpha, k) / T(n, k)   (the smallest k within 1% of the max)
     T = max(t_draft(n, k), t_verify(n, k))   in psd (drafting overlaps the other batch's verify)
     T = t_draft(n, k) + t_verify(n, k)        in sd
 
 With t_verify flat in k (memory-bound verifier) the psd optimum sits where t_draft(k) reaches
-t_verify (Lemma 2); in sd it is the classic trade-off of Leviathan et al. 2023, §3.4.
+t_verify (Lemma 2); in sd it is the classic trade-off of Leviathan et al. 2023, §3.4. t_verify is
+fitted per k (``coordinator.cost_model``); a k never measured is predicted flat from its
+neighbours, so every ``explore_every_steps``-th Draft call drafts a neighbour of the best k
+(an unmeasured one first) to measure how verify time really grows in k.
 
 Per request: a request whose drafts keep being rejected (its own acceptance estimate below
-``min_request_alpha``) is not drafted at all (k = 0, verified alone), except every
-``probe_every_steps`` verify steps, when it is drafted again to refresh its estimate. Between 0
-and the batch's k there is no middle ground: the engines take one rectangular [batch, k] draft
-tensor per call, so a smaller k for one request would save nothing and cost an extra Verify call.
+``min_request_alpha``) may be left undrafted (k = 0), except every ``probe_every_steps`` verify
+steps, when it is drafted again to refresh its estimate. An undrafted request needs a Verify
+call of its own (the engines take one rectangular [batch, k] draft tensor per call; ragged rows
+would need a per-row k in the Verify RPC, the verifier's forward and the rejection sampler), so
+:meth:`KChooser.draft_ks` leaves requests undrafted only when the expected goodput of the two
+calls beats one call with every request at k (on a CPU, where a Verify call's fixed cost is
+large, it rarely does).
 
 Lossless: the rejection sampler is exact for any k and any draft (Leviathan et al. 2023,
 Theorem 1), so changing k between steps or per request never changes the output distribution.
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 from coordinator.cost_model import AcceptanceEstimate, StepCostModel, expected_tokens
 
 NO_DRAFT = 0  # a request verified without draft tokens this step
+K_TIE_TOLERANCE = 0.01  # the smallest k within this fraction of the best goodput is taken
 
 
 class KPolicy(enum.StrEnum):
@@ -50,16 +57,19 @@ class AdaptiveConfig:
         min_request_alpha: per-token acceptance below which a request stops being drafted, [0, 1).
         probe_every_steps: a request not drafted is drafted again after this many verify steps (>= 1).
         prior_alpha: acceptance assumed before any draft was verified, (0, 1).
+        explore_every_steps: every this many Draft calls one drafts a neighbour of the best k (>= 2).
     """
 
     decay: float = 0.9
     min_request_alpha: float = 0.1
     probe_every_steps: int = 8
     prior_alpha: float = 0.6
+    explore_every_steps: int = 8
 
     def __post_init__(self) -> None:
         checks = {"decay": 0.0 < self.decay < 1.0, "min_request_alpha": 0.0 <= self.min_request_alpha < 1.0,
-                  "probe_every_steps": self.probe_every_steps >= 1, "prior_alpha": 0.0 < self.prior_alpha < 1.0}
+                  "probe_every_steps": self.probe_every_steps >= 1, "prior_alpha": 0.0 < self.prior_alpha < 1.0,
+                  "explore_every_steps": self.explore_every_steps >= 2}
         for name, is_ok in checks.items():
             if not is_ok:
                 raise ValueError(f"{name}: out of range, got {getattr(self, name)!r}")
@@ -129,10 +139,23 @@ class KChooser:
         return self.policy == KPolicy.ADAPTIVE
 
     def batch_k(self, num_requests: int, is_parallel: bool) -> int:
-        """k for the next draft of a batch of ``num_requests`` (``is_parallel``: psd overlap)."""
+        """k for the next draft of a batch of ``num_requests`` (``is_parallel``: psd overlap):
+        the goodput-best k, or on exploration Draft calls a neighbour of it."""
         if not self.is_adaptive or not self.stats.cost.is_known or num_requests <= 0:
             return self.max_k
-        return max(range(1, self.max_k + 1), key=lambda k: self.goodput(num_requests, k, is_parallel))
+        goodputs = {k: self.goodput(num_requests, k, is_parallel) for k in range(1, self.max_k + 1)}
+        top = max(goodputs.values())
+        best = min(k for k, value in goodputs.items() if value >= top * (1.0 - K_TIE_TOLERANCE))
+        return self._explored(best)
+
+    def _explored(self, best: int) -> int:
+        """``best``, or on every ``explore_every_steps``-th Draft call a neighbour (unmeasured first)."""
+        num_calls, every = self.stats.cost.num_draft_calls, self.stats.cfg.explore_every_steps
+        neighbours = [k for k in (best - 1, best + 1) if 1 <= k <= self.max_k]
+        if not neighbours or (num_calls + 1) % every:
+            return best
+        unmeasured = [k for k in neighbours if k not in self.stats.cost.verify_by_k]
+        return (unmeasured or neighbours)[(num_calls // every) % len(unmeasured or neighbours)]
 
     def goodput(self, num_requests: int, k: int, is_parallel: bool) -> float:
         """Expected committed tokens per ms of a step with ``num_requests`` at ``k`` (0 = ar)."""
@@ -149,3 +172,32 @@ class KChooser:
         if self.stats.request_alpha(request_id) >= self.stats.cfg.min_request_alpha:
             return batch_k
         return batch_k if self.stats.is_probe_due(request_id) else NO_DRAFT
+
+    def is_probe(self, request_id: str) -> bool:
+        """Whether the request is drafted only to refresh its low acceptance estimate (a probe)."""
+        return (self.is_adaptive and self.stats.request_alpha(request_id) < self.stats.cfg.min_request_alpha
+                and self.stats.is_probe_due(request_id))
+
+    def draft_ks(self, request_ids: list[str], is_parallel: bool) -> dict[str, int]:
+        """k of each request of one batch's next Draft call: the batch's k, or :data:`NO_DRAFT`
+        for the low-acceptance requests of :meth:`request_k` when verifying them in a call of
+        their own (k = 0) is expected to pay (module docstring). Deterministic between Draft calls."""
+        k = self.batch_k(len(request_ids), is_parallel)
+        low = {rid for rid in request_ids if self.request_k(rid, k) == NO_DRAFT}
+        if not low or not self._is_split_better(request_ids, low, k, is_parallel):
+            return {rid: k for rid in request_ids}
+        return {rid: NO_DRAFT if rid in low else k for rid in request_ids}
+
+    def _is_split_better(self, request_ids: list[str], low: set[str], k: int, is_parallel: bool) -> bool:
+        """Goodput of drafting all at ``k`` (one Verify call) vs leaving ``low`` undrafted (two)."""
+        cost, stats = self.stats.cost, self.stats
+        tokens = {rid: expected_tokens(stats.request_alpha(rid), k) for rid in request_ids}
+        n, n_high = len(request_ids), len(request_ids) - len(low)
+
+        def step_ms(t_draft: float, t_verify: float) -> float:
+            return max(t_draft, t_verify) if is_parallel else t_draft + t_verify
+
+        one_call = sum(tokens.values()) / max(step_ms(cost.draft_ms(n, k), cost.verify_ms(n, k)), 1e-9)
+        split_ms = step_ms(cost.draft_ms(n_high, k), cost.verify_ms(n_high, k) + cost.verify_ms(len(low), 0))
+        split_tokens = sum(t for rid, t in tokens.items() if rid not in low) + len(low)
+        return split_tokens / max(split_ms, 1e-9) > one_call

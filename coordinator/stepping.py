@@ -73,7 +73,7 @@ class StepLoop:
             times.verify_ms += response.verify_ms
             times.data_plane_ms += response.data_plane_ms
             k = len(d[0].token_ids) if d else NO_DRAFT
-            self.spec_stats.cost.observe_verify(len(reqs) * (k + 1), response.verify_ms)
+            self.spec_stats.cost.observe_verify(len(reqs), k, response.verify_ms)
             group_emitted, group_accepted = self._postprocess(reqs, d, response)
             num_emitted += group_emitted
             accepted += group_accepted if d else []
@@ -96,8 +96,11 @@ class StepLoop:
         if mode == Mode.AR or self.mode == Mode.AR:
             return []
         candidates = self._speculative(verify_reqs)
-        k = self.chooser.batch_k(len(candidates), mode == Mode.PSD)
-        if any(r.drafts is None and self.chooser.request_k(r.request_id, k) > 0 for r in candidates):
+        ks = self.chooser.draft_ks([r.request_id for r in candidates], mode == Mode.PSD)
+        # a psd probe waits for the next draft-ahead rather than drafting the whole batch now
+        if any(r.drafts is None and ks[r.request_id] > 0 and not (mode == Mode.PSD and r.num_drafts
+                                                                  and self.chooser.is_probe(r.request_id))
+               for r in candidates):
             for request in candidates:
                 request.drafts = None
             await self._draft(candidates, times, batch, mode)  # sd part: drafts needed before this verify
@@ -126,10 +129,11 @@ class StepLoop:
     async def _draft(self, requests: list[RequestState], times: StepTimes, batch: int, mode: Mode) -> None:
         """Draft for the ``requests`` the k policy wants drafted (PSD batch ``batch``); on a
         drafter failure switch to ``ar``."""
-        k = self.chooser.batch_k(len(requests), mode == Mode.PSD)
-        requests = [r for r in requests if self.chooser.request_k(r.request_id, k) > 0]
+        ks = self.chooser.draft_ks([r.request_id for r in requests], mode == Mode.PSD)
+        requests = [r for r in requests if ks[r.request_id] > 0]
         if not requests:
             return
+        k = ks[requests[0].request_id]
         self._num_draft_calls += 1  # drafter step ids are unique per Draft call (dist plane key)
         start_s = time.time()
         try:
@@ -197,6 +201,8 @@ class StepLoop:
             idle_ms=max(wall_ms - times.verify_ms, 0.0), wall_ms=wall_ms, is_parallel=is_parallel,
         )
         self.totals.record(stats)
+        if self.cfg.mode == Mode.AUTO:  # live goodput of the mode auto chose (coordinator.auto_mode)
+            self.auto.observe_step(str(mode), num_emitted, wall_ms)
         finish_step(step_trace, stats, times.phases)
         if self.step_log is not None:
             self.step_log.write(step_trace, stats, times.phases)

@@ -28,10 +28,11 @@ def test_expected_tokens_matches_the_closed_form() -> None:
         expected_tokens(0.5, -1)
 
 
-def test_linear_fit_recovers_a_line_and_falls_back_to_proportional() -> None:
+def test_linear_fit_recovers_a_line_and_is_optimistic_without_a_slope() -> None:
     fit = LinearFit(decay=0.95)
     fit.observe(4, 10.0)
-    assert fit.coefficients() == (0.0, 2.5)  # one x: proportional through the origin
+    assert fit.coefficients() == (10.0, 0.0) and fit.predict(8) == 10.0 and fit.predict(2) == 5.0  # one x: the
+    # cheapest line through it (flat above, proportional below)
     for x in (2, 6, 3, 8, 5):
         fit.observe(x, 3.0 + 0.5 * x)
     fit2 = LinearFit(decay=0.95)
@@ -57,7 +58,7 @@ def _stats(draft_ms_per_token: float, verify_ms: float, alpha_accepts: int, k: i
     stats = SpeculationStats(AdaptiveConfig())
     for n, k_seen in ((4, 1), (4, 2), (4, 3), (4, 4), (8, 2), (8, 4)):
         stats.cost.observe_draft(n, k_seen, draft_ms_per_token * k_seen)
-        stats.cost.observe_verify(n * (k_seen + 1), verify_ms)
+        stats.cost.observe_verify(n, k_seen, verify_ms)
     for i in range(40):
         stats.observe_verified(f"r{i % 4}", k, alpha_accepts)
     return stats
@@ -119,9 +120,22 @@ class TimedDrafter(FakeDrafter):
 
 
 class TimedHarness(Harness):
-    def __init__(self, **kwargs) -> None:
+    """``ms_per_position`` > 0: the verifier reports that many ms per scored position (a
+    compute-bound verifier, where leaving a rejected request undrafted pays for its own call)."""
+
+    def __init__(self, ms_per_position: float = 0.0, **kwargs) -> None:
         super().__init__(**kwargs)
         self.drafter = TimedDrafter(self.verifier, 0.8, 0.001)
+        if ms_per_position > 0:
+            verify = self.verifier.Verify
+
+            async def timed_verify(request, context):
+                response = await verify(request, context)
+                k = request.draft_token_ids.shape[1] if len(request.draft_token_ids.shape) > 1 else 0
+                response.verify_ms = ms_per_position * len(request.request_ids) * (k + 1)
+                return response
+
+            self.verifier.Verify = timed_verify
 
 
 def _rows(response: engine_pb2.DraftResponse) -> list[list[int]]:
@@ -134,7 +148,7 @@ def test_adaptive_k_changes_mid_request_and_output_stays_exact(mode: str) -> Non
 
     async def main():
         async with TimedHarness(mode=mode, max_num_seqs=3, num_speculative_tokens=6, k_policy="adaptive",
-                                delay_s=0.004) as h:
+                                delay_s=0.004, ms_per_position=1.0) as h:
             results = await asyncio.gather(*(h.generate(rid, p, **s) for rid, p, s in work))
             for (rid, prompt, sampling), (tokens, reason, usage) in zip(work, results):
                 assert tokens == _expected(prompt, sampling), rid

@@ -1,8 +1,9 @@
 """Adaptive k against the real engines: drafter_svc and verifier_svc as processes on tiny Llamas
 (draft = target with a perturbed last layer, so some drafts are accepted and some rejected), the
 coordinator's step loop in-process. Greedy output with k changing between steps (a k schedule
-forced through the production KChooser interface, and the adaptive policy itself) must equal the
-target alone (``ar``) token for token, in ``sd`` and ``psd``."""
+forced through the production KChooser interface, with some requests left undrafted (k = 0) next
+to drafted ones, and the adaptive policy itself) must equal the target alone (``ar``) token for
+token, in ``sd`` and ``psd``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from conftest import _build_tiny_llama
 from test_services import _perturbed, free_port
 
-from coordinator.adaptive import KChooser
+from coordinator.adaptive import NO_DRAFT, KChooser
 from coordinator.config import CoordinatorConfig
 from coordinator.finish import FinishParams
 from coordinator.request import RequestState
@@ -56,14 +57,21 @@ def engines(tmp_path_factory):
 
 
 class ScheduledK(KChooser):
-    """Batch k from a fixed cycle (1, 3, 2, 4, ...), one value per draft decision."""
+    """Batch k from a fixed cycle (1, 3, 2, 4, ...), one value per draft decision; per request,
+    every third request of a plan (rotating) is left undrafted (k = 0, verified in its own call)."""
 
     def __init__(self, stats) -> None:
         super().__init__("adaptive", K_MAX, stats)
         self._cycle = itertools.cycle([1, 3, 2, 4, 1, 1, 4])
+        self._num_plans = 0
 
     def batch_k(self, num_requests: int, is_parallel: bool) -> int:
         return next(self._cycle)
+
+    def draft_ks(self, request_ids: list[str], is_parallel: bool) -> dict[str, int]:
+        ks = super().draft_ks(request_ids, is_parallel)
+        self._num_plans += 1
+        return {rid: NO_DRAFT if (i + self._num_plans) % 3 == 0 else k for i, (rid, k) in enumerate(ks.items())}
 
 
 async def _run(engines, mode: str, tag: str, k_policy: str = "fixed", forced: bool = False) -> tuple[list, set]:
@@ -83,6 +91,8 @@ async def _run(engines, mode: str, tag: str, k_policy: str = "fixed", forced: bo
             requests.append(request)
         await asyncio.wait_for(scheduler.wait_idle(), 120)
         ks = {s.k for s in scheduler.totals.recent if s.num_draft_tokens}
+        if forced:  # some steps verified drafted and undrafted requests side by side
+            assert any(0 < s.num_draft_tokens < s.k * s.num_verify for s in scheduler.totals.recent)
         return [r.output_token_ids for r in requests], ks
     finally:
         task.cancel()

@@ -26,7 +26,7 @@ def _auto(draft: tuple[float, float], verify_fixed_ms: float, verify_ms_per_posi
     for n, k in ((2, 4), (4, 4), (8, 4), (4, 2), (8, 0), (4, 0)):
         if k:
             stats.cost.observe_draft(n, k, (draft[0] + draft[1] * n) * k)
-        stats.cost.observe_verify(n * (k + 1), verify_fixed_ms + verify_ms_per_position * n * (k + 1))
+        stats.cost.observe_verify(n, k, verify_fixed_ms + verify_ms_per_position * n * (k + 1))
     for i in range(50):
         stats.observe_verified(f"r{i % 8}", 4, accepted_of_4)
     return AutoMode(KChooser(policy, 4, stats), M, AutoConfig(**cfg))

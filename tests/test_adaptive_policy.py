@@ -1,0 +1,138 @@
+"""Adaptive k in a closed loop on synthetic timing traces (``coordinator.adaptive``,
+``coordinator.cost_model``): the policy picks k, a synthetic drafter/verifier "runs" the step
+with known costs and acceptance, and the policy learns from what it measured. Checks the per-k
+verify fit (rows and draft positions kept apart), exploration of unmeasured k, Lemma 2 of the
+MineDraft paper (flat verify: k grows until t_draft reaches t_verify), a compute-bound verify
+(small k), no acceptance (smallest k, or no draft at all in sd) and the per-request k = 0 choice
+that weighs the extra Verify call."""
+
+from __future__ import annotations
+
+import collections
+import math
+import random
+from collections.abc import Callable
+
+import pytest
+
+from coordinator.adaptive import NO_DRAFT, AdaptiveConfig, KChooser, KPolicy, SpeculationStats
+from coordinator.cost_model import StepCostModel
+
+CostFn = Callable[[int, int], float]  # (rows n, k) -> ms
+NUM_STEPS = 240
+
+
+def _accepted(rng: random.Random, alpha: float, k: int) -> int:
+    """Accepted draft tokens of one verify: each accepted with probability alpha until a rejection."""
+    num = 0
+    while num < k and rng.random() < alpha:
+        num += 1
+    return num
+
+
+def _simulate(draft: CostFn, verify: CostFn, alphas: dict[str, float], max_k: int, is_parallel: bool = True,
+              num_steps: int = NUM_STEPS, seed: int = 0) -> tuple[KChooser, list[dict[str, int]]]:
+    """Run ``num_steps`` steps of one batch; returns the chooser and each step's k per request."""
+    stats = SpeculationStats(AdaptiveConfig())
+    chooser, rng, history = KChooser(KPolicy.ADAPTIVE, max_k, stats), random.Random(seed), []
+    for _ in range(num_steps):
+        ks = chooser.draft_ks(list(alphas), is_parallel)
+        drafted = [rid for rid, k in ks.items() if k > 0]
+        groups = collections.Counter(ks.values())
+        if drafted:
+            stats.cost.observe_draft(len(drafted), ks[drafted[0]], draft(len(drafted), ks[drafted[0]]))
+        for k, n in groups.items():
+            stats.cost.observe_verify(n, k, verify(n, k))
+        for rid, k in ks.items():
+            stats.observe_verified(rid, k, _accepted(rng, alphas[rid], k))
+        history.append(ks)
+    return chooser, history
+
+
+def _settled_k(history: list[dict[str, int]], request_id: str = "r0") -> int:
+    """The most frequent k of ``request_id`` over the last half of the run (exploration aside)."""
+    return collections.Counter(ks[request_id] for ks in history[len(history) // 2:]).most_common(1)[0][0]
+
+
+def _batch(alpha: float, n: int = 4) -> dict[str, float]:
+    return {f"r{i}": alpha for i in range(n)}
+
+
+def test_verify_fit_is_per_k_and_fills_unmeasured_k_from_neighbours() -> None:
+    cost = StepCostModel(decay=0.95)
+    for n in (2, 4):
+        cost.observe_verify(n, 4, 100.0 + 20.0 * n)  # rows cost, k = 4
+    assert cost.verify_ms(4, 4) == pytest.approx(180.0)
+    assert cost.verify_ms(4, 1) == pytest.approx(180.0)  # one k measured: flat (optimistic) guess
+    for n in (2, 4):
+        cost.observe_verify(n, 2, 90.0 + 20.0 * n)
+    assert cost.verify_ms(4, 3) == pytest.approx(175.0)  # between k = 2 and 4
+    assert cost.verify_ms(4, 6) == pytest.approx(190.0)  # beyond: the slope of the two nearest
+    assert cost.verify_ms(4, 0) == pytest.approx(160.0)  # below: same slope, above the position share
+    steep = StepCostModel()
+    for k in (3, 4):
+        steep.observe_verify(4, k, 10.0 * 4 * (k + 1))  # compute-bound: proportional to positions
+    assert steep.verify_ms(4, 0) == pytest.approx(40.0)  # floor: t(3) * 1 / 4, not the line's 0
+    assert steep.num_draft_calls == 0 and not steep.is_known
+
+
+def test_flat_verify_grows_k_until_draft_time_reaches_verify_time() -> None:
+    """Lemma 2: verify 180 ms whatever k (memory-bound), 9 ms per draft forward of 4 rows: psd
+    settles on the largest k with t_draft <= t_verify's neighbourhood, here k = 8 of k_max 8
+    (t_draft 72 < 180) -- the CPU case where the old positions fit chose k = 1."""
+    chooser, history = _simulate(lambda n, k: 9.0 * k, lambda n, k: 60.0 + 30.0 * n, _batch(0.8), max_k=8)
+    assert _settled_k(history) == 8
+    level, _ = _simulate(lambda n, k: 36.0 * k, lambda n, k: 180.0, _batch(0.8), max_k=8)
+    k = level.batch_k(4, is_parallel=True)  # t_draft(k) = 36 k reaches 180 ms at k = 5
+    assert _settled_k(_simulate(lambda n, k: 36.0 * k, lambda n, k: 180.0, _batch(0.8), max_k=8)[1]) == 5
+    assert math.isclose(level.stats.cost.draft_ms(4, 5), level.stats.cost.verify_ms(4, 5), rel_tol=1e-6)
+    assert k in (4, 5, 6)  # 5, or a neighbour on an exploration call
+
+
+def test_compute_bound_verify_keeps_k_small() -> None:
+    """Verify cost proportional to scored positions (no fixed part): a draft token costs what a
+    decoded token does, so at alpha 0.5 the best k is 1 -- found although the loop starts at k_max."""
+    _, history = _simulate(lambda n, k: 0.5 * k, lambda n, k: 10.0 * n * (k + 1), _batch(0.5), max_k=6)
+    assert history[0]["r0"] == 6 and _settled_k(history) == 1
+    assert sum(ks["r0"] > 2 for ks in history[len(history) // 2:]) == 0
+
+
+def test_no_acceptance_drafts_the_fewest_tokens_or_none() -> None:
+    """Drafts always rejected. psd with a verify flat in k (drafting hidden, draft positions
+    free): k = 1. sd (drafting on the critical path), or psd with a verify that grows in k: no
+    draft at all, every request verified as plain decode (k = 0)."""
+    flat, grows = (lambda n, k: 100.0 + 20.0 * n), (lambda n, k: 100.0 + 5.0 * n * (k + 1))
+    assert _settled_k(_simulate(lambda n, k: 9.0 * k, flat, _batch(0.0), max_k=4)[1]) == 1
+    for verify, is_parallel in ((flat, False), (grows, True)):
+        _, history = _simulate(lambda n, k: 9.0 * k, verify, _batch(0.0), max_k=4, is_parallel=is_parallel)
+        late = history[len(history) // 2:]
+        assert sum(all(k == NO_DRAFT for k in ks.values()) for ks in late) > 0.8 * len(late)
+
+
+def test_low_acceptance_request_left_undrafted_only_when_the_extra_call_pays() -> None:
+    """One request whose drafts are always rejected among three good ones. A CPU-like verifier
+    (a Verify call costs 100 ms + 20 ms a row, flat in k) keeps it in the one call; a verifier
+    whose cost is all per position (no fixed part) verifies it separately at k = 0."""
+    alphas = {"r0": 0.8, "r1": 0.8, "r2": 0.8, "bad": 0.0}
+    _, cpu = _simulate(lambda n, k: 5.0 * k, lambda n, k: 100.0 + 20.0 * n, alphas, max_k=4)
+    assert _settled_k(cpu, "bad") == _settled_k(cpu, "r0") > 0
+    _, positions = _simulate(lambda n, k: 1.0 * k, lambda n, k: 10.0 * n * (k + 1), alphas, max_k=4)
+    late = positions[len(positions) // 2:]
+    assert sum(ks["bad"] == NO_DRAFT for ks in late) > 0.7 * len(late)
+    assert _settled_k(positions, "r0") >= 1
+
+
+def test_exploration_is_paced_and_prefers_unmeasured_neighbours() -> None:
+    stats = SpeculationStats(AdaptiveConfig(explore_every_steps=4))
+    chooser = KChooser(KPolicy.ADAPTIVE, 6, stats)
+    stats.cost.observe_verify(4, 3, 50.0)
+    for _ in range(3):
+        stats.cost.observe_draft(4, 3, 3 * 50.0 / 3)  # t_draft(3) = t_verify: k = 3 is best
+    assert stats.cost.num_draft_calls == 3
+    explored = chooser.batch_k(4, is_parallel=True)
+    assert explored in (2, 4) and explored not in stats.cost.verify_by_k
+    stats.cost.observe_draft(4, 3, 50.0)
+    assert chooser.batch_k(4, is_parallel=True) == 3  # the next three calls: the best k
+    assert KChooser(KPolicy.FIXED, 6, stats).batch_k(4, is_parallel=True) == 6
+    with pytest.raises(ValueError, match="explore_every_steps"):
+        AdaptiveConfig(explore_every_steps=1)
