@@ -5,7 +5,11 @@ service on loopback with its log in ``runs/<timestamp>/<service>.log``, pin veri
 to their own core with one torch thread each (DESIGN.md §8: the PSD overlap exists only if each
 engine owns a core), and wait until each reports SERVING on grpc.health.v1. A child that dies
 during start-up has its log tail printed and the launch fails (``StackError``) after every
-other child is stopped. Shutdown (Ctrl-C / SIGTERM / a child dying): SIGTERM to every child's
+other child is stopped. After start-up a dead drafter or coordinator is restarted on its port
+(``restart_exited``, at most ``MAX_RESTARTS`` times each): meanwhile the coordinator serves on the
+verifier alone (``ar`` fallback, coordinator.fallback) or the gateway answers UNAVAILABLE, and
+both re-sync when it is back. A dead verifier or gateway ends ``minedraft up`` (the verifier
+holds every request's KV cache). Shutdown (Ctrl-C / SIGTERM / such a death): SIGTERM to every child's
 process group (gateway first), wait up to ``stop_timeout_s``, SIGKILL the stragglers. Children
 also get PR_SET_PDEATHSIG, so they are killed if the launcher itself is killed: no orphans.
 """
@@ -27,6 +31,8 @@ from minedraft.stack import ServiceSpec, StackConfig, build_service_specs, resol
 
 POLL_S = 0.25
 NUM_LOG_TAIL_LINES = 40
+RESTARTABLE = ("drafter", "coordinator")  # their state is rebuilt after a restart (see the module docstring)
+MAX_RESTARTS = 5  # per service, over the life of ``minedraft up``
 
 
 class StackError(RuntimeError):
@@ -219,6 +225,19 @@ class Stack:
         self.services.clear()
 
 
+def _restart_or_raise(stack: Stack, restarts: dict[str, int], log) -> None:
+    """One supervision pass: a failed restart is logged and retried on the next pass (restarts are
+    counted, so a service that keeps dying ends ``minedraft up``)."""
+    try:
+        restart_exited(stack, restarts, log)
+    except StackError as exc:
+        if any(s.process.poll() is not None and (s.spec.name not in RESTARTABLE or
+                                                 restarts.get(s.spec.name, 0) >= MAX_RESTARTS)
+               for s in stack.services):
+            raise
+        log(f"warning: restart failed, retrying: {str(exc).splitlines()[0]}")
+
+
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(process.pid, sig)
@@ -226,8 +245,34 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def restart_exited(stack: Stack, restarts: dict[str, int], log=print) -> list[str]:
+    """Restart every exited service of ``stack`` named in ``RESTARTABLE`` (at most ``MAX_RESTARTS``
+    times each, counted in ``restarts``) and wait until it is SERVING. Returns the names restarted.
+    Call it from the thread that started the stack (``Stack.restart``).
+
+    Raises:
+        StackError: a service that is not restartable (verifier, gateway) or out of restarts has
+            exited, or a restart failed (another one is tried on the next call while restarts last).
+    """
+    restarted = []
+    for service in list(stack.services):
+        code = service.process.poll()
+        if code is None:
+            continue
+        name = service.spec.name
+        if name not in RESTARTABLE or restarts.get(name, 0) >= MAX_RESTARTS:
+            stack.check_alive()  # raises with the log tail
+        restarts[name] = restarts.get(name, 0) + 1
+        log(f"warning: {name} exited with code {code}; restart {restarts[name]}/{MAX_RESTARTS} "
+            f"(log {service.log_path})")
+        stack.restart(name, log)
+        restarted.append(name)
+    return restarted
+
+
 def run_until_signal(cfg: StackConfig, log=print) -> int:
-    """``minedraft up``: start the stack, serve until SIGINT/SIGTERM or a child dies, stop it.
+    """``minedraft up``: start the stack, serve until SIGINT/SIGTERM or a service that cannot be
+    restarted dies (``restart_exited``), stop it.
 
     Returns the exit code: 0 after a signal, 1 when a service failed.
     """
@@ -239,8 +284,9 @@ def run_until_signal(cfg: StackConfig, log=print) -> int:
     try:
         stack.start(resolve_model_dir(cfg.target), log)
         log(f"MineDraft up: mode {cfg.mode}, gateway {cfg.host}:{cfg.gateway_port}, logs {stack.run_dir}")
+        restarts: dict[str, int] = {}
         while True:
-            stack.check_alive()
+            _restart_or_raise(stack, restarts, log)
             time.sleep(POLL_S)
     except StopRequested:
         log("shutting down")

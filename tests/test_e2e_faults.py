@@ -6,7 +6,7 @@ finishing rules are exercised inside accepted blocks. The failure tests run last
 (they kill processes): the coordinator killed mid-stream (the gateway ends the stream with
 UNAVAILABLE; a restarted coordinator frees the orphaned KV slots), SIGTERM to the coordinator
 (in-flight requests finish within the grace period), the drafter killed mid-run (``ar`` fallback, identical greedy output, then
-a restart on the same port resumes speculation), and the verifier killed (in-flight and new
+a restart on the same port by ``minedraft up``'s supervisor resumes speculation), and the verifier killed (in-flight and new
 requests fail fast with UNAVAILABLE; coordinator and gateway readiness go NOT_SERVING).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from minedraft.client import GenerationError, MineDraftClient, build_request
-from minedraft.launcher import Stack, health_status
+from minedraft.launcher import Stack, StackError, health_status, restart_exited
 from minedraft.v1 import engine_pb2, engine_pb2_grpc
 from test_e2e_stack import _config, _status, _wait_slots_free
 
@@ -234,7 +234,9 @@ def test_drafter_killed_mid_run_falls_back_to_ar_and_a_restart_resumes_speculati
     assert 0 < num_drafts < sum(r.usage.num_drafts for r in before)  # speculated, then ar after the kill
     status = _status(stack.cfg)
     assert not status.is_drafter_available and status.effective_mode == "ar"
-    stack.restart("drafter", log=lambda line: None)
+    restarts: dict[str, int] = {}
+    assert restart_exited(stack, restarts, log=lambda line: None) == ["drafter"]  # what `minedraft up` does
+    assert restarts == {"drafter": 1} and restart_exited(stack, restarts, log=lambda line: None) == []
     drafted_before = status.num_draft_tokens
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # the coordinator probes the drafter every 2 s while requests run
@@ -257,6 +259,8 @@ def test_verifier_killed_fails_fast_with_unavailable_and_readiness_drops(stack):
             time.sleep(0.05)
         stack.kill("verifier")
         killed_at = time.monotonic()
+        with pytest.raises(StackError, match="verifier exited"):  # `minedraft up` stops: not restartable
+            restart_exited(stack, {}, log=lambda line: None)
         for call in calls:
             with pytest.raises(GenerationError) as info:
                 call.result(timeout=30)
