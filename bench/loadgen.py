@@ -184,3 +184,52 @@ async def run_load_async(prompts: list[Prompt], cfg: LoadConfig, on_done=None) -
 def run_load(prompts: list[Prompt], cfg: LoadConfig, on_done=None) -> LoadRun:
     """Blocking wrapper of ``run_load_async``."""
     return asyncio.run(run_load_async(prompts, cfg, on_done))
+
+
+@dataclass(frozen=True)
+class BurstConfig:
+    """A seeded bursty open-loop arrival trace (issue 10: load that changes during a run).
+
+    ``num_bursts`` bursts; each brings a uniform random number of requests in
+    ``[min_burst_size, max_burst_size]``, arriving uniformly within ``burst_spread_s`` seconds;
+    between bursts a quiet gap, uniform in ``[min_gap_s, max_gap_s]`` seconds, in which
+    ``num_trickle`` single requests arrive evenly spaced (so the load swings from one request to
+    a whole burst and back). Arrival times do not depend on the service (open loop).
+    """
+
+    num_bursts: int = 3
+    min_burst_size: int = 16
+    max_burst_size: int = 48
+    burst_spread_s: float = 0.5
+    min_gap_s: float = 2.0
+    max_gap_s: float = 4.0
+    num_trickle: int = 2
+
+    def __post_init__(self) -> None:
+        for name, is_ok in (("num_bursts", self.num_bursts >= 1), ("min_burst_size", self.min_burst_size >= 1),
+                            ("max_burst_size", self.max_burst_size >= self.min_burst_size),
+                            ("burst_spread_s", self.burst_spread_s >= 0), ("min_gap_s", self.min_gap_s >= 0),
+                            ("max_gap_s", self.max_gap_s >= self.min_gap_s), ("num_trickle", self.num_trickle >= 0)):
+            if not is_ok:
+                raise ValueError(f"{name}: out of range, got {getattr(self, name)!r}")
+
+
+def bursty_arrivals(cfg: BurstConfig, seed: int) -> list[float]:
+    """Arrival offsets (seconds from the trace's start, sorted, first = 0.0) of ``cfg``'s trace;
+    the same ``seed`` always gives the same list (``random.Random(seed)``, no global state)."""
+    import random
+
+    rng = random.Random(seed)
+    arrivals: list[float] = []
+    start = 0.0
+    for burst in range(cfg.num_bursts):
+        size = rng.randint(cfg.min_burst_size, cfg.max_burst_size)
+        arrivals += [start + rng.uniform(0.0, cfg.burst_spread_s) for _ in range(size)]
+        if burst == cfg.num_bursts - 1:
+            break
+        gap = rng.uniform(cfg.min_gap_s, cfg.max_gap_s)
+        gap_start = start + cfg.burst_spread_s
+        arrivals += [gap_start + gap * (i + 1) / (cfg.num_trickle + 1) for i in range(cfg.num_trickle)]
+        start = gap_start + gap
+    first = min(arrivals)
+    return sorted(round(t - first, 6) for t in arrivals)
