@@ -1,4 +1,4 @@
-"""Preallocated slot KV cache and the attention function that reads and writes it.
+"""Preallocated slot KV cache.
 
 Every sequence owns one *slot*: a fixed row of per-layer key/value tensors of shape
 ``[max_num_seqs, num_kv_heads, max_model_len, head_dim]`` allocated once at start-up.
@@ -6,86 +6,22 @@ Every sequence owns one *slot*: a fixed row of per-layer key/value tensors of sh
 tokens is only a length change (MineDraft DESIGN.md, "KV cache"; same idea as vLLM's block
 tables with one block per sequence).
 
-The attention function ``slot_attention_forward`` is registered with transformers'
-``AttentionInterface`` under ``SLOT_ATTENTION_NAME``. The model's ``forward`` receives a
-``SlotAttentionMetadata`` as the keyword argument ``slot_metadata``; transformers passes it on
-to every attention layer, where the new keys/values are written at their positions and the
-queries attend over each row's cache prefix with a causal boolean mask.
+The attention function that reads and writes it is ``specdec.slot_attention`` (registered with
+transformers' ``AttentionInterface`` under ``SLOT_ATTENTION_NAME`` when this module is imported);
+the per-forward metadata classes live in ``specdec.kv_metadata``. Both are re-exported here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-from torch.nn import functional as F
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-SLOT_ATTENTION_NAME = "minedraft_slot"
-SLOT_METADATA_KWARG = "slot_metadata"
-NOT_CONSECUTIVE = -1  # SlotAttentionMetadata.first_slot when the batch's slots need a gather
-# Names of the non-persistent buffers through which the static path gives each attention module
-# its own layer's cache tensors (``specdec.cuda_graphs.attach_cache_buffers``): no Python layer
-# index inside a compiled decoder layer, so one compiled graph serves every layer.
-STATIC_K_BUFFER = "minedraft_k_cache"
-STATIC_V_BUFFER = "minedraft_v_cache"
-
-
-@dataclass(frozen=True)
-class SlotAttentionMetadata:
-    """Per-forward description of where a ragged batch lives in the slot cache.
-
-    Built once per forward by ``SlotKVCache.prepare`` and shared by all layers.
-
-    Attributes:
-        cache: the cache to read and write.
-        slot_ids: ``[b]`` int64, slot of each batch row.
-        positions: ``[b, q]`` int64, absolute position of each token (padding continues the
-            row's positions; it is never written and never attended by real tokens).
-        write_rows, write_cols: ``[n]`` int64, slot and position of each real (non-padding)
-            token, in row-major order of the batch.
-        is_real: ``[b, q]`` bool, True for real tokens.
-        attn_mask: ``[b, 1, q, kv_len]`` bool, True where a query may attend a cached key.
-        kv_len: number of cache positions read (max over rows of the new sequence length).
-        first_slot: ``slot_ids[0]`` when the slots are consecutive ascending ids (then the
-            cache is read as a view, no gather), else ``NOT_CONSECUTIVE``.
-    """
-
-    cache: "SlotKVCache"
-    slot_ids: torch.Tensor
-    positions: torch.Tensor
-    write_rows: torch.Tensor
-    write_cols: torch.Tensor
-    is_real: torch.Tensor
-    attn_mask: torch.Tensor
-    kv_len: int
-    first_slot: int
-
-
-@dataclass(frozen=True)
-class StaticSlotMetadata:
-    """Slot-cache metadata of the static-shape path (``specdec.cuda_graphs``): device tensors
-    only, fixed shapes per (batch bucket ``B``, tokens per row ``q``, KV bucket ``kv_len``), so
-    a step can be captured in a CUDA graph and replayed.
-
-    Attributes:
-        cache: the cache (with its scratch slot ``cache.scratch_slot``).
-        slot_ids: ``[B]`` int64, slot of each row (the scratch slot for batch-padding rows).
-        write_rows, write_cols: ``[B * q]`` int64, where each token's key/value goes; padding
-            tokens go to the scratch slot, so every index write has the same shape.
-        attn_mask: ``[B, 1, num_groups * q, kv_len]`` bool, True where a query may attend; the
-            query heads of one KV head are folded into the query axis (grouped-query attention
-            without repeating K/V), row ``g * q + t`` is token t's mask.
-        kv_len: number of cache positions read (the KV bucket).
-    """
-
-    cache: "SlotKVCache"
-    slot_ids: torch.Tensor
-    write_rows: torch.Tensor
-    write_cols: torch.Tensor
-    attn_mask: torch.Tensor
-    kv_len: int
+from specdec.kv_metadata import (  # noqa: F401  (re-exported: the cache's public names)
+    NOT_CONSECUTIVE, SLOT_ATTENTION_NAME, SLOT_METADATA_KWARG, STATIC_K_BUFFER, STATIC_V_BUFFER,
+    SlotAttentionMetadata, StaticSlotMetadata,
+)
+from specdec.slot_attention import (  # noqa: F401  (re-exported; importing registers the attention)
+    _grouped_attention, _rowwise_attention, _static_attention, slot_attention_forward,
+)
 
 
 class SlotKVCache:
@@ -94,7 +30,10 @@ class SlotKVCache:
     Shapes: ``k[layer]`` and ``v[layer]`` are ``[max_num_seqs + num_scratch_slots,
     num_kv_heads, max_model_len, head_dim]``; ``seq_lens`` is ``[max_num_seqs]`` int64 on the
     CPU (host-side bookkeeping). ``num_scratch_slots`` is 1 for the static-shape path (it writes
-    the padding tokens there: ``scratch_slot``), else 0.
+    the padding tokens there: ``scratch_slot``), else 0. ``num_query_groups`` (``G``): query
+    heads per KV head, for the row-wise attention masks. ``is_rowwise``: attention layout of the
+    dynamic path (``SlotAttentionMetadata``); None: row-wise on CPU, batched elsewhere (one SDPA
+    call per row and layer is cheap on CPU, but a GPU step would pay a kernel launch each).
     Memory: ``2 * num_layers * (max_num_seqs + num_scratch_slots) * num_kv_heads *
     max_model_len * head_dim`` elements of ``dtype`` (see ``num_bytes``).
     """
@@ -109,6 +48,8 @@ class SlotKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         num_scratch_slots: int = 0,
+        num_query_groups: int = 1,
+        is_rowwise: bool | None = None,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -116,6 +57,7 @@ class SlotKVCache:
             ("max_model_len", max_model_len),
             ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim),
+            ("num_query_groups", num_query_groups),
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -128,6 +70,8 @@ class SlotKVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
+        self.num_query_groups = num_query_groups
+        self.is_rowwise = self.device.type == "cpu" if is_rowwise is None else is_rowwise
         self.scratch_slot = max_num_seqs if num_scratch_slots else None
         shape = (max_num_seqs + num_scratch_slots, num_kv_heads, max_model_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
@@ -152,20 +96,29 @@ class SlotKVCache:
         Returns:
             metadata whose ``positions`` ``[b, q_len]`` are also the model's ``position_ids``.
         """
-        starts = self.seq_lens[slot_ids]                                     # [b]
+        starts = [int(self.seq_lens[slot]) for slot in slot_ids]
+        new_lens = [start + count for start, count in zip(starts, num_new_tokens)]
         counts = torch.tensor(num_new_tokens, dtype=torch.int64)             # [b]
         offsets = torch.arange(q_len, dtype=torch.int64)                     # [q]
-        positions = starts[:, None] + offsets[None, :]                       # [b, q]
-        is_real = offsets[None, :] < counts[:, None]                         # [b, q]
+        positions = torch.tensor(starts, dtype=torch.int64)[:, None] + offsets[None, :]  # [b, q]
         slots = torch.tensor(slot_ids, dtype=torch.int64)
-        new_lens = starts + counts                                           # [b]
-        kv_len = int(new_lens.max())
-        key_pos = torch.arange(kv_len, dtype=torch.int64)                    # [kv]
-        attn_mask = (key_pos[None, None, :] <= positions[:, :, None]) & (
-            key_pos[None, None, :] < new_lens[:, None, None]
-        )                                                                    # [b, q, kv]
-        write_rows = slots[:, None].expand(-1, q_len)[is_real]
-        write_cols = positions[is_real]
+        kv_len = max(new_lens)
+        if all(count == q_len for count in num_new_tokens):                 # no padding
+            is_real = None
+            write_rows = slots.repeat_interleave(q_len)
+            write_cols = positions.reshape(-1)
+        else:
+            is_real = offsets[None, :] < counts[:, None]                     # [b, q]
+            write_rows = slots[:, None].expand(-1, q_len)[is_real]
+            write_cols = positions[is_real]
+        attn_mask, row_masks = None, None
+        if self.is_rowwise:
+            row_masks = tuple(self._row_mask(start, length, q_len) for start, length in zip(starts, new_lens))
+        else:
+            key_pos = torch.arange(kv_len, dtype=torch.int64)                # [kv]
+            attn_mask = ((key_pos[None, None, :] <= positions[:, :, None])
+                         & (key_pos[None, None, :] < torch.tensor(new_lens)[:, None, None]))  # [b, q, kv]
+            attn_mask = attn_mask[:, None].to(self.device)
         to_device = self.device
         return SlotAttentionMetadata(
             cache=self,
@@ -173,18 +126,36 @@ class SlotKVCache:
             positions=positions.to(to_device),
             write_rows=write_rows.to(to_device),
             write_cols=write_cols.to(to_device),
-            is_real=is_real.to(to_device),
-            attn_mask=attn_mask[:, None].to(to_device),
+            is_real=None if is_real is None else is_real.to(to_device),
+            attn_mask=attn_mask,
             kv_len=kv_len,
             first_slot=_first_if_consecutive(slot_ids),
+            row_slots=tuple(slot_ids),
+            row_lens=tuple(new_lens),
+            row_masks=row_masks,
         )
+
+    def _row_mask(self, start: int, length: int, q_len: int) -> torch.Tensor | None:
+        """Row-wise layout: ``[1, 1, G * q_len, length]`` bool, query t (position ``start + t``)
+        may attend keys ``<= start + t``, repeated for the G folded query heads; None when
+        ``q_len`` is 1 (the one query attends every cached key)."""
+        if q_len == 1:
+            return None
+        key_pos = torch.arange(length, dtype=torch.int64)
+        query_pos = start + torch.arange(q_len, dtype=torch.int64)
+        mask = key_pos[None, :] <= query_pos[:, None]                        # [q, len]
+        return mask.repeat(self.num_query_groups, 1)[None, None].to(self.device)
 
     def write(
         self, layer_idx: int, meta: SlotAttentionMetadata, key: torch.Tensor, value: torch.Tensor
     ) -> None:
         """Store the real tokens' ``key``/``value`` ``[b, num_kv_heads, q, head_dim]``."""
-        k_new = key.transpose(1, 2)[meta.is_real]                           # [n, kvh, d]
-        v_new = value.transpose(1, 2)[meta.is_real]
+        if meta.is_real is None:                                            # every token is real
+            k_new = key.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)  # [n, kvh, d]
+            v_new = value.transpose(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)
+        else:
+            k_new = key.transpose(1, 2)[meta.is_real]                       # [n, kvh, d]
+            v_new = value.transpose(1, 2)[meta.is_real]
         self.k[layer_idx][meta.write_rows, :, meta.write_cols] = k_new.to(self.dtype)
         self.v[layer_idx][meta.write_rows, :, meta.write_cols] = v_new.to(self.dtype)
 
@@ -216,103 +187,3 @@ def _first_if_consecutive(slot_ids: list[int]) -> int:
     first = slot_ids[0]
     is_consecutive = all(slot == first + i for i, slot in enumerate(slot_ids))
     return first if is_consecutive else NOT_CONSECUTIVE
-
-
-def slot_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """Causal attention over the slot cache (transformers ``AttentionInterface`` signature).
-
-    Args:
-        module: the attention layer; ``module.layer_idx`` selects the cache layer.
-        query: ``[b, num_heads, q, head_dim]`` (RoPE applied).
-        key, value: ``[b, num_kv_heads, q, head_dim]`` of the new tokens (RoPE applied).
-        attention_mask: ignored when ``slot_metadata`` is given (the mask comes from it).
-        scaling: softmax scale, default ``head_dim ** -0.5``.
-        kwargs: ``slot_metadata`` (``SlotAttentionMetadata``). Without it the call falls back to
-            transformers' SDPA attention, so a model switched to this implementation still
-            works for plain cache-free forwards.
-
-    Returns:
-        ``(attn_output [b, q, num_heads, head_dim], None)``.
-    """
-    meta = kwargs.pop(SLOT_METADATA_KWARG, None)
-    if meta is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
-    if isinstance(meta, StaticSlotMetadata):
-        k_cache = getattr(module, STATIC_K_BUFFER, None)
-        if k_cache is None:
-            k_cache, v_cache = meta.cache.k[module.layer_idx], meta.cache.v[module.layer_idx]
-        else:
-            v_cache = getattr(module, STATIC_V_BUFFER)
-        return _static_attention(k_cache, v_cache, query, key, value, meta, scaling), None
-    meta.cache.write(module.layer_idx, meta, key, value)
-    k_all, v_all = meta.cache.read(module.layer_idx, meta)
-    return _grouped_attention(query, k_all, v_all, meta.attn_mask, scaling), None
-
-
-def _grouped_attention(
-    query: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, attn_mask: torch.Tensor,
-    scaling: float | None,
-) -> torch.Tensor:
-    """Grouped-query SDPA without repeating K/V: the ``G = H / KVH`` query heads of each KV
-    head are folded into the query axis (row ``g * q + t`` is head g's token t), so the cache
-    prefix is read once instead of copied G times per layer (issue 8: the ``repeat_kv`` copies
-    were a large share of a CPU decode step's memory traffic).
-
-    Shapes: query ``[b, H, q, d]``; k_all/v_all ``[b, KVH, kv_len, d]``; attn_mask
-    ``[b, 1, q, kv_len]`` bool; returns ``[b, q, H, d]``.
-    """
-    batch, num_heads, q_len, head_dim = query.shape
-    num_kv_heads = k_all.shape[1]
-    num_groups = num_heads // num_kv_heads
-    if num_groups == 1:
-        folded, mask = query, attn_mask
-    else:
-        folded = query.reshape(batch, num_kv_heads, num_groups * q_len, head_dim)
-        mask = attn_mask.repeat(1, 1, num_groups, 1)                   # [b, 1, G*q, kv_len]
-    out = F.scaled_dot_product_attention(
-        folded, k_all.to(query.dtype), v_all.to(query.dtype), attn_mask=mask, dropout_p=0.0,
-        scale=scaling,
-    )                                                                    # [b, KVH, G*q, d]
-    return out.reshape(batch, num_heads, q_len, head_dim).transpose(1, 2).contiguous()
-
-
-def _static_attention(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-    value: torch.Tensor, meta: StaticSlotMetadata, scaling: float | None,
-) -> torch.Tensor:
-    """Static-shape slot attention: index writes, a slot gather of ``kv_len`` positions, and
-    SDPA with the query heads of each KV head folded into the query axis (no K/V repeat).
-
-    Shapes: ``k_cache``/``v_cache`` one layer's ``[slots, KVH, max_model_len, d]``; query
-    ``[B, H, q, d]``, key/value ``[B, KVH, q, d]``; returns ``[B, q, H, d]``.
-    No host syncs and no data-dependent shapes (CUDA-graph capturable).
-    """
-    batch, num_heads, q_len, head_dim = query.shape
-    num_kv_heads = key.shape[1]
-    num_groups = num_heads // num_kv_heads
-    k_new = key.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
-    v_new = value.transpose(1, 2).reshape(batch * q_len, num_kv_heads, head_dim)
-    k_cache[meta.write_rows, :, meta.write_cols] = k_new.to(k_cache.dtype)
-    v_cache[meta.write_rows, :, meta.write_cols] = v_new.to(v_cache.dtype)
-    k_all = k_cache[:, :, : meta.kv_len].index_select(0, meta.slot_ids)
-    v_all = v_cache[:, :, : meta.kv_len].index_select(0, meta.slot_ids)
-    folded = query.reshape(batch, num_kv_heads, num_groups * q_len, head_dim)
-    out = F.scaled_dot_product_attention(
-        folded, k_all.to(query.dtype), v_all.to(query.dtype), attn_mask=meta.attn_mask,
-        dropout_p=0.0, scale=scaling,
-    )                                                                    # [B, KVH, G*q, d]
-    return out.reshape(batch, num_heads, q_len, head_dim).transpose(1, 2).contiguous()
-
-
-AttentionInterface.register(SLOT_ATTENTION_NAME, slot_attention_forward)

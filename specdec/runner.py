@@ -7,6 +7,8 @@ single-token draft steps); a decode step is a verify step with k = 0 (docs/ARCHI
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from specdec.config import CacheConfig, ModelConfig
@@ -56,11 +58,13 @@ class ModelRunner:
         self.vocab_size: int = int(model.get_output_embeddings().out_features)
         self.input_vocab_size: int = int(model.get_input_embeddings().num_embeddings)
         self.eos_token_ids: tuple[int, ...] = _eos_token_ids(model)
+        num_kv_heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
         self.cache = SlotKVCache(
             num_layers=text_cfg.num_hidden_layers,
             max_num_seqs=cache_cfg.max_num_seqs,
             max_model_len=cache_cfg.max_model_len,
-            num_kv_heads=getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads,
+            num_kv_heads=num_kv_heads,
+            num_query_groups=text_cfg.num_attention_heads // num_kv_heads,
             head_dim=getattr(text_cfg, "head_dim", None)
             or text_cfg.hidden_size // text_cfg.num_attention_heads,
             dtype=model_cfg.torch_dtype,
@@ -73,6 +77,7 @@ class ModelRunner:
                 model, self.cache, cache_cfg.max_num_seqs, cache_cfg.max_model_len,
                 model_cfg.max_static_tokens, use_graphs=_use_graphs(model_cfg),
                 compile_layers=model_cfg.compile_layers)
+        self._has_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._free_slots: list[int] = list(range(cache_cfg.max_num_seqs))
         self._allocated: set[int] = set()
 
@@ -151,6 +156,33 @@ class ModelRunner:
             CapacityError: a row would exceed ``max_model_len`` tokens.
         """
         self._check_batch(slots, token_ids)
+        return self._run(slots, token_ids, logits_dtype, keep_positions=None)
+
+    def prefill(
+        self, slots: list[int], prompts: list[list[int]], logits_dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """Feed whole prompts in one forward; return each prompt's last-token logits ``[b, V]``.
+
+        Same arguments, checks and errors as ``forward``. The LM head runs only on each prompt's
+        last position (``logits_to_keep``; the distinct last positions of ragged prompts), not on
+        every prompt token: for a 500-token prompt of SmolLM2-135M that is 500x fewer rows of
+        its [49152, 576] head (issue 8, CPU profile: most of a prefill's time was that head).
+        """
+        self._check_batch(slots, prompts)
+        last = [len(p) - 1 for p in prompts]
+        kept = sorted(set(last))
+        logits = self._run(slots, prompts, logits_dtype, keep_positions=kept)   # [b, n_kept|q, V]
+        # all positions came back (static path, no logits_to_keep) unless the widths match; when
+        # they match either way, kept == range(q_max) and both readings pick the same column
+        columns = last if logits.shape[1] != len(kept) else [kept.index(pos) for pos in last]
+        rows = torch.arange(len(prompts), device=logits.device)
+        return logits[rows, torch.tensor(columns, device=logits.device)]
+
+    def _run(self, slots: list[int], token_ids: list[list[int]], logits_dtype: torch.dtype,
+             keep_positions: list[int] | None) -> torch.Tensor:
+        """Forward of a checked batch. ``keep_positions``: padded positions whose logits are
+        computed (``[b, len(keep_positions), V]``), or None for all (``[b, q_max, V]``); the
+        static path and models without ``logits_to_keep`` always return all positions."""
         num_new = [len(row) for row in token_ids]
         q_max = max(num_new)
         if self.static_stepper is not None and self.static_stepper.accepts(len(slots), q_max):
@@ -161,26 +193,15 @@ class ModelRunner:
         padded = [row + [PAD_TOKEN_ID] * (q_max - len(row)) for row in token_ids]
         input_ids = torch.tensor(padded, dtype=torch.int64, device=self.model_cfg.device)
         meta = self.cache.prepare(slots, num_new, q_max)
+        keep = {}
+        if keep_positions is not None and self._has_logits_to_keep:
+            keep = {"logits_to_keep": torch.tensor(keep_positions, dtype=torch.int64,
+                                                   device=self.model_cfg.device)}
         with torch.inference_mode():
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=meta.positions,
-                use_cache=False,
-                **{SLOT_METADATA_KWARG: meta},
-            )
+            out = self.model(input_ids=input_ids, position_ids=meta.positions, use_cache=False,
+                             **keep, **{SLOT_METADATA_KWARG: meta})
         self.cache.commit(slots, num_new)
         return out.logits.to(logits_dtype)
-
-    def prefill(
-        self, slots: list[int], prompts: list[list[int]], logits_dtype: torch.dtype = torch.float32
-    ) -> torch.Tensor:
-        """Feed whole prompts in one forward; return each prompt's last-token logits ``[b, V]``.
-
-        Same arguments, checks and errors as ``forward``.
-        """
-        logits = self.forward(slots, prompts, logits_dtype)
-        last = torch.tensor([len(p) - 1 for p in prompts], device=logits.device)
-        return logits[torch.arange(len(prompts), device=logits.device), last]
 
     # ---- checks ---------------------------------------------------------------------------
     def _check_slot(self, slot: int) -> None:
