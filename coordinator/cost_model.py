@@ -10,7 +10,8 @@ Cost model (times in ms, measured by the engines: ``DraftResponse.draft_ms``,
 - drafting k tokens for n requests runs k sequential draft forwards of n rows:
   ``t_draft(n, k) = k * (c_d + d_d * n)``;
 - verifying n requests with k draft tokens each: one fit per k, linear in the rows,
-  ``t_verify(n, k) = a_k + b_k * n``. Rows and draft positions are kept apart because they cost
+  ``t_verify(n, k) = a_k + b_k * n``, each aged by every Verify call (of any k) since its last
+  observation, so a k measured again after a load change is not outvoted by its stale past. Rows and draft positions are kept apart because they cost
   differently: on the 2-core CPU of BENCHMARKS.md a verify of 4 rows cost 180 ms at k = 1 and
   175 ms at k = 4 (flat in k) but 92 ms for 1 row (steep in n); one fit over ``n * (k + 1)``
   positions mixed the two and predicted a steep growth in k, so adaptive k chose k = 1.
@@ -72,9 +73,10 @@ class LinearFit:
         """Whether at least one observation was made."""
         return self._sw > 0.0
 
-    def observe(self, x: float, y: float) -> None:
-        """Add one (x, y) point; older points are weighted down by ``decay``."""
-        d = self.decay
+    def observe(self, x: float, y: float, num_periods: int = 1) -> None:
+        """Add one (x, y) point; older points are weighted down by ``decay ** num_periods``
+        (``num_periods``: observations of the whole model since this fit's last one, >= 1)."""
+        d = self.decay ** max(num_periods, 1)
         self._sw, self._sx, self._sy = d * self._sw + 1.0, d * self._sx + x, d * self._sy + y
         self._sxx, self._sxy = d * self._sxx + x * x, d * self._sxy + x * y
 
@@ -157,6 +159,8 @@ class StepCostModel:
         self.draft_per_forward = LinearFit(decay)  # ms per draft forward vs rows n
         self.verify_by_k: dict[int, LinearFit] = {}  # k -> ms per verify call vs rows n
         self.num_draft_calls = 0  # Draft calls observed (paces exploration in coordinator.adaptive)
+        self.num_verify_calls = 0
+        self._last_verify_call: dict[int, int] = {}  # k -> num_verify_calls at its last observation
 
     @property
     def is_known(self) -> bool:
@@ -172,7 +176,10 @@ class StepCostModel:
     def observe_verify(self, num_requests: int, k: int, verify_ms: float) -> None:
         """One Verify call of ``num_requests`` rows with ``k`` draft tokens each (0: decode)."""
         if num_requests > 0 and k >= 0:
-            self.verify_by_k.setdefault(k, LinearFit(self.decay)).observe(num_requests, verify_ms)
+            self.num_verify_calls += 1
+            age = self.num_verify_calls - self._last_verify_call.get(k, self.num_verify_calls - 1)
+            self._last_verify_call[k] = self.num_verify_calls
+            self.verify_by_k.setdefault(k, LinearFit(self.decay)).observe(num_requests, verify_ms, age)
 
     def draft_ms(self, num_requests: int, k: int) -> float:
         return k * self.draft_per_forward.predict(num_requests) if num_requests and k else 0.0

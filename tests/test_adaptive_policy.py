@@ -89,6 +89,20 @@ def test_flat_verify_grows_k_until_draft_time_reaches_verify_time() -> None:
     assert k in (4, 5, 6)  # 5, or a neighbour on an exploration call
 
 
+@pytest.mark.parametrize("before_ms, after_ms, k_before, k_after", [(60.0, 120.0, 7, 13), (120.0, 60.0, 13, 7)])
+def test_k_follows_a_load_change(before_ms: float, after_ms: float, k_before: int, k_after: int) -> None:
+    """The verifier's cost (flat in k) doubles or halves mid-run (another tenant, longer
+    contexts): k moves to the new level point of 9 ms a draft forward (alpha 0.9)."""
+    num_calls = [0]
+
+    def verify(n: int, k: int) -> float:
+        num_calls[0] += 1
+        return before_ms if num_calls[0] <= 200 else after_ms
+
+    _, history = _simulate(lambda n, k: 9.0 * k, verify, _batch(0.9), max_k=16, num_steps=400)
+    assert _settled_k(history[:200]) == k_before and _settled_k(history[200:]) == k_after
+
+
 def test_compute_bound_verify_keeps_k_small() -> None:
     """Verify cost proportional to scored positions (no fixed part): a draft token costs what a
     decoded token does, so at alpha 0.5 the best k is 1 -- found although the loop starts at k_max."""
