@@ -23,7 +23,7 @@ import torch
 
 from specdec.draft_worker import DraftWorker
 from specdec.fixed_acceptance import FixedAcceptance, fixed_acceptance_sample
-from specdec.rejection import rejection_sample
+from specdec.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
 from specdec.worker_base import DraftCapacityError, RequestState, StepOutput, Worker, top_logprobs
@@ -95,23 +95,28 @@ class TargetWorker(Worker):
                                                                           "minedraft.k": k}):
             logits = self.runner.forward(slots, fed)[:, : k + 1]            # [b, k + 1, V]
         with _tracer.start_as_current_span("target.rejection_sample"):
-            target_probs = logits_to_probs(logits, [s.params for s in states])
-            device = target_probs.device                   # the sampler runs where the logits are
+            device = logits.device                         # the sampler runs where the logits are
             draft_ids = torch.tensor(draft_token_ids, dtype=torch.int64, device=device).view(len(states), k)
-            is_greedy = torch.tensor([s.params.is_greedy for s in states], dtype=torch.bool, device=device)
-            generators = [s.generator for s in states]
-            if self.fixed_acceptance is not None:   # BENCHMARK-ONLY: not the target's distribution
-                output, num_accepted = fixed_acceptance_sample(
-                    draft_ids, target_probs, is_greedy, generators,
-                    self.fixed_acceptance.acceptance_prob, self._bench_generator)
-            else:
-                output, num_accepted = rejection_sample(
-                    draft_ids, None if draft_probs is None else draft_probs.to(target_probs),
-                    target_probs, is_greedy, generators)
+            output, num_accepted = self._sample(states, draft_ids, draft_probs, logits)
             output, num_accepted = output.cpu(), num_accepted.cpu()   # one device sync per step
         logprobs = logits.log_softmax(dim=-1)
         return [self._commit(rid, state, kv_len, output[row], int(num_accepted[row]), logprobs[row])
                 for row, (rid, state, kv_len) in enumerate(zip(request_ids, states, kv_lens))]
+
+    def _sample(self, states: list[RequestState], draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+                logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output [b, k + 1], num_accepted [b]) of the rejection sampler; an all-greedy batch
+        takes ``greedy_verify`` (same tokens, no probabilities built)."""
+        is_greedy = torch.tensor([s.params.is_greedy for s in states], dtype=torch.bool, device=logits.device)
+        if self.fixed_acceptance is None and bool(is_greedy.all()):
+            return greedy_verify(draft_ids, logits)
+        target_probs = logits_to_probs(logits, [s.params for s in states])
+        generators = [s.generator for s in states]
+        if self.fixed_acceptance is not None:   # BENCHMARK-ONLY: not the target's distribution
+            return fixed_acceptance_sample(draft_ids, target_probs, is_greedy, generators,
+                                           self.fixed_acceptance.acceptance_prob, self._bench_generator)
+        return rejection_sample(draft_ids, None if draft_probs is None else draft_probs.to(target_probs),
+                                target_probs, is_greedy, generators)
 
     def _commit(self, request_id: str, state: RequestState, kv_len: int, output: torch.Tensor,
                 num_accepted: int, logprobs: torch.Tensor) -> StepOutput:
@@ -123,3 +128,21 @@ class TargetWorker(Worker):
         token_logprobs = logprobs[positions, torch.tensor(token_ids)].tolist()
         return StepOutput(request_id, token_ids, num_accepted, token_logprobs,
                           top_logprobs(logprobs[: num_accepted + 1], state.params.logprobs))
+
+
+def greedy_verify(draft_ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rejection_sample`` for an all-greedy batch, straight from the logits: accept while
+    ``d_i == argmax p_i``, then emit the target argmax (Leviathan et al. 2023 at temperature 0;
+    the same tokens as the full sampler with one-hot target probs, which greedy rows draw no
+    randomness for), without building ``[b, k + 1, V]`` probabilities (issue 8 CPU profile).
+
+    Shapes: draft_ids ``[b, k]`` int64, logits ``[b, k + 1, V]``; returns output ``[b, k + 1]``
+    int64 (accepted drafts, then the recovered/bonus token, then ``PLACEHOLDER_TOKEN_ID``) and
+    num_accepted ``[b]`` int64.
+    """
+    target_ids = logits.argmax(dim=-1)                                   # [b, k + 1]
+    k = draft_ids.shape[1]
+    num_accepted = (draft_ids == target_ids[:, :k]).to(torch.int64).cumprod(dim=-1).sum(dim=-1)
+    positions = torch.arange(k + 1, device=logits.device).unsqueeze(0)
+    output = torch.where(positions <= num_accepted.unsqueeze(1), target_ids, PLACEHOLDER_TOKEN_ID)
+    return output, num_accepted
