@@ -25,7 +25,9 @@ Method (plain HF forwards, no serving stack):
 - Cost: one decode forward (1 new token over a KV cache of ``--context`` tokens), 1 CPU thread,
   batch 1 and 16, median wall time (ms) of draft and target; ratio = draft / target.
 
-Usage: ``python bench/draft_acceptance.py --draft drafts/smollm2-135m-instruct``
+Usage: ``python bench/draft_acceptance.py --draft drafts/smollm2-135m-instruct``. ``--device cuda
+--acceptance-only --target-dir <HF dir>`` runs only the acceptance part on a GPU (to compare
+drafts right after training; the committed figures come from the CPU run).
 """
 
 from __future__ import annotations
@@ -74,9 +76,9 @@ def trajectory_betas(target, draft, prompts: list[list[int]], temperature: float
                      gen: torch.Generator, chunk: int = 4) -> list[torch.Tensor]:
     """Target trajectories of up to ``max_new`` tokens (batched, left-padded generation) and
     ``beta_j`` per generated position ``[n_i]`` for each prompt."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    width, device = max(map(len, prompts)), target.device
+    ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     kwargs = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature,
                                                               "top_k": None, "top_p": None}
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
@@ -85,15 +87,15 @@ def trajectory_betas(target, draft, prompts: list[list[int]], temperature: float
     pairs = [(p, row[:row.index(eos) + 1] if eos in row else row) for p, row in zip(prompts, out)]
     betas = []
     for start in range(0, len(pairs), chunk):
-        ids, mask, is_resp = pad_batch(pairs[start:start + chunk], "cpu")
+        ids, mask, is_resp = pad_batch(pairs[start:start + chunk], device)
         p_logits = target(input_ids=ids, attention_mask=mask).logits
         q_logits = target_vocab_logits(draft, draft(input_ids=ids, attention_mask=mask).logits, p_logits.shape[-1])
         for i in range(ids.shape[0]):
             p_i, q_i = p_logits[i][is_resp[i]], q_logits[i][is_resp[i]]
             if temperature == 0:
-                betas.append((p_i.argmax(-1) == q_i.argmax(-1)).float())
+                betas.append((p_i.argmax(-1) == q_i.argmax(-1)).float().cpu())
             else:
-                betas.append(torch.minimum(_probs(p_i, temperature), _probs(q_i, temperature)).sum(-1).clamp(0, 1))
+                betas.append(torch.minimum(_probs(p_i, temperature), _probs(q_i, temperature)).sum(-1).clamp(0, 1).cpu())
     return betas
 
 
@@ -249,12 +251,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-check-per-category", type=int, default=1,
                     help="prompts per category for the real-SD cross-check at k=4")
     ap.add_argument("--out-name", default="draft_acceptance")
+    ap.add_argument("--results-dir", default=RESULTS_DIR)
+    ap.add_argument("--target-dir", default=None, help="HF dir of the target (default: the draft's metadata)")
+    ap.add_argument("--device", default="cpu", help="device of the acceptance part (cost is always CPU)")
+    ap.add_argument("--acceptance-only", action="store_true", help="skip the real-SD check and the CPU timing")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    target_dir = resolve_target_dir(read_meta(args.draft), args.draft)
+    target_dir = args.target_dir or resolve_target_dir(read_meta(args.draft), args.draft)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    draft = load_draft(args.draft, ModelConfig(model=args.draft), target_model=target)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(args.device).eval()
+    draft = load_draft(args.draft, ModelConfig(model=args.draft, device=args.device), target_model=target)
     prompts = load_prompts(tokenizer, args.spec_bench, args.num_per_category, args.max_prompt_tokens)
     gen = torch.Generator().manual_seed(args.seed)
     acceptance = {}
@@ -264,23 +270,23 @@ def main(argv: list[str] | None = None) -> int:
         acceptance[str(temp)] = acceptance_table(betas, args.num_trials, args.seed)
         print(f"T={temp}: k=4 mean acceptance length {acceptance[str(temp)]['all'][4]['mean_acceptance_length']:.3f}",
               flush=True)
-    check = {}
-    for temp in TEMPERATURES:
+    check, fwd = {}, {}
+    for temp in TEMPERATURES if not args.acceptance_only else ():
         counts = [c for ps in prompts.values() for p in ps[:args.num_check_per_category]
                   for c in sd_accepted_counts(target, draft, p, 4, temp, args.max_new_tokens, gen)]
         check[str(temp)] = {"k": 4, "num_steps": len(counts), "mean_acceptance_length": 1 + sum(counts) / max(len(counts), 1)}
         print(f"real SD check T={temp}: {check[str(temp)]}", flush=True)
-    fwd = {}
-    for b in (1, 16):
+    for b in (1, 16) if not args.acceptance_only else ():
         d, t = (forward_ms(m, b, args.context, args.num_iters) for m in (draft, target))
         fwd[str(b)] = {"draft": d, "target": t, "ratio": d / t}
     res = {"draft": args.draft, "target": read_meta(args.draft).target, "method": __doc__.split("\n\n", 1)[1],
            "num_prompts": {c: len(p) for c, p in prompts.items()}, "max_new_tokens": args.max_new_tokens,
-           "acceptance": acceptance, "real_sd_check": check, "forward_ms": fwd, "draft_training": read_meta(args.draft).training}
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    with open(os.path.join(RESULTS_DIR, args.out_name + ".json"), "w", encoding="utf-8") as f:
+           "acceptance": acceptance, "real_sd_check": check, "forward_ms": fwd, "device": args.device,
+           "draft_training": read_meta(args.draft).training}
+    os.makedirs(args.results_dir, exist_ok=True)
+    with open(os.path.join(args.results_dir, args.out_name + ".json"), "w", encoding="utf-8") as f:
         json.dump(res, f, indent=2)
-    write_markdown(res, os.path.join(RESULTS_DIR, args.out_name + ".md"))
+    write_markdown(res, os.path.join(args.results_dir, args.out_name + ".md"))
     print(json.dumps(fwd, indent=2))
     return 0
 

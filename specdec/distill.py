@@ -166,17 +166,25 @@ def top1_agreement(draft, target, pairs, device, batch_size: int) -> float:
 def train(cfg: DistillConfig, draft, pairs, teacher, device: str, tag: str, t0: float | None = None) -> dict:
     """AdamW + cosine schedule over ``num_epochs``; resumes from ``work_dir/ckpt_<tag>.pt``.
 
-    Stops early once ``time.perf_counter() - t0`` exceeds ``cfg.time_budget_s`` (when set).
+    With ``cfg.time_budget_s`` the cosine runs over whichever ends first, the planned steps or the
+    time left (so the learning rate is annealed when the budget stops training), and training stops
+    once ``time.perf_counter() - t0`` exceeds the budget.
     """
     params = [p for n, p in draft.named_parameters() if n.startswith(fmt.OWN_WEIGHT_PREFIXES)]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(pairs) / cfg.batch_size)
     num_steps = steps_per_epoch * cfg.num_epochs
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / num_steps, 1.0))))
+    t_start = time.perf_counter() if t0 is None else t0
+    t_train, time_left = time.perf_counter(), cfg.time_budget_s - (time.perf_counter() - t_start)
+
+    def lr_factor(s: int) -> float:
+        frac = s / num_steps if not cfg.time_budget_s else max(s / num_steps, (time.perf_counter() - t_train) / max(time_left, 1e-3))
+        return 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     ckpt_path, step, num_tokens, losses = os.path.join(cfg.work_dir, f"ckpt_{tag}.pt"), 0, 0, []
     vocab_ids = fmt.draft_vocab_ids(draft)
     lut = target_to_draft_index(vocab_ids, draft.config.vocab_size)
-    t_start = time.perf_counter() if t0 is None else t0
     if os.path.exists(ckpt_path):
         ck = torch.load(ckpt_path, weights_only=False)
         draft.load_state_dict(ck["draft"], strict=False)
@@ -232,7 +240,7 @@ def run(cfg: DistillConfig) -> dict:
     draft = fmt.build_draft_from_target(target, list(layers), vocab_ids).float()
     if cfg.init_draft:
         from specdec.distill_tasks import warm_start
-        warm_start(draft, cfg.init_draft, target.model.embed_tokens.weight)
+        warm_start(draft, cfg.init_draft, target.model.embed_tokens.weight, tuple(layers))
     agree_before = top1_agreement(draft, target, held, device, cfg.batch_size)
     task_before = top1_agreement(draft, target, task_held, device, cfg.batch_size) if task_held else None
     summary = train(cfg, draft, pairs, teacher, device, tag="-".join(map(str, layers)), t0=t0)

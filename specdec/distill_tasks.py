@@ -9,6 +9,7 @@ trained on chat + task sequences alike. Prompts overlapping Spec-Bench (word n-g
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 
@@ -20,10 +21,11 @@ from specdec import task_corpus, task_prompts
 
 
 def load_corpus(path: str | None) -> dict:
-    """Corpus JSON written by ``python -m specdec.task_corpus`` (None: collect from this system)."""
+    """Corpus JSON (``.json`` or ``.json.gz``) written by ``python -m specdec.task_corpus`` (None:
+    collect from this system)."""
     if not path:
         return task_corpus.collect()
-    with open(path, encoding="utf-8") as f:
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
         return json.load(f)
 
 
@@ -68,24 +70,59 @@ def build_task_stage(cfg, tokenizer, docs, eval_turns: list[str], generate, cach
     held = cached("tasks_heldout.pt", lambda: generate(held_ids, 0.0))
     summary = {"task_mix_built": task_prompts.mix_summary(prompts),
                "task_mix_encoded": {t: sum(task == t for task, _ in encoded) for t in task_prompts.TASKS},
-               "task_sources": {**corpus.get("sources", {}), "documents": "target greedy responses to the chat prompts"},
+               "task_sources": {**corpus.get("sources", {}), "documents": "prose documents (see prose_sources) and "
+                                "target greedy responses to the chat prompts"},
+               "prose_sources": corpus.get("prose_sources", {}),
                "num_task_train_prompts": len(train_ids), "num_task_heldout_prompts": len(held_ids)}
     return [p for p in pairs if p[1]], [p for p in held if p[1]], summary
 
 
-def warm_start(draft, init_dir: str, target_embed: torch.Tensor) -> None:
+def warm_start(draft, init_dir: str, target_embed: torch.Tensor, layers: tuple[int, ...] | None = None) -> None:
     """Load the own weights (layers + norm) of the draft directory ``init_dir`` into ``draft``.
 
-    The draft head is not loaded (it is gathered from the target). Raises IncompatibleDraftError
-    when ``init_dir`` was trained for another target, ValueError when its layer count differs.
+    Same layer count: layer i -> layer i. Growth (``draft`` has more layers; ``layers`` = the
+    draft's target-layer ids, containing all of ``init_dir``'s ``init_layers`` in order): each
+    loaded layer goes to the slot of its target layer; the other slots keep their target-layer
+    copy with ``o_proj`` and ``down_proj`` zeroed, so they start as identity blocks and the grown
+    draft computes exactly the ``init_dir`` function (function-preserving growth, Net2Net, Chen et
+    al. 2016, Sec. 2.2). The draft head is not loaded (it is gathered from the target).
+    Raises IncompatibleDraftError when ``init_dir`` was trained for another target, ValueError
+    when the layers do not fit.
     """
     meta = fmt.read_meta(init_dir)
     fmt.check_fingerprint(meta.target_fingerprint, target_embed)
-    if meta.num_layers != len(draft.model.layers):
-        raise ValueError(f"init_draft has {meta.num_layers} layers, the draft {len(draft.model.layers)}")
+    slots = growth_slots(meta.init_layers, layers, len(draft.model.layers))
     params = dict(draft.named_parameters())
-    with safe_open(os.path.join(init_dir, fmt.DRAFT_WEIGHTS_FILE), framework="pt") as f:
-        for key in f.keys():
-            if key.startswith(fmt.OWN_WEIGHT_PREFIXES):
-                with torch.no_grad():
-                    params[key].copy_(f.get_tensor(key).to(params[key].dtype))
+    with torch.no_grad():
+        with safe_open(os.path.join(init_dir, fmt.DRAFT_WEIGHTS_FILE), framework="pt") as f:
+            for key in f.keys():
+                if key.startswith(fmt.OWN_WEIGHT_PREFIXES):
+                    param = params[_slot_key(key, slots)]
+                    param.copy_(f.get_tensor(key).to(param.dtype))
+        for i, layer in enumerate(draft.model.layers):
+            if i not in slots:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+
+
+def growth_slots(init_layers: tuple[int, ...], layers: tuple[int, ...] | None, num_layers: int) -> list[int]:
+    """Draft slot of each ``init_layers`` entry (identity for an equal count). Raises ValueError."""
+    if num_layers == len(init_layers):
+        return list(range(num_layers))
+    if num_layers < len(init_layers) or layers is None or len(layers) != num_layers:
+        raise ValueError(f"init_draft has {len(init_layers)} layers, the draft {num_layers} (growth needs the draft's layers)")
+    slots, pos = [], 0
+    for src in init_layers:
+        if src not in layers[pos:]:
+            raise ValueError(f"init_draft layers {init_layers} are not an ordered subset of {layers}")
+        pos = layers.index(src, pos) + 1
+        slots.append(pos - 1)
+    return slots
+
+
+def _slot_key(key: str, slots: list[int]) -> str:
+    """``model.layers.<i>.rest`` -> ``model.layers.<slots[i]>.rest`` (other keys unchanged)."""
+    if not key.startswith("model.layers."):
+        return key
+    index, rest = key[len("model.layers."):].split(".", 1)
+    return f"model.layers.{slots[int(index)]}.{rest}"

@@ -8,8 +8,10 @@ Collected from files every Debian/Ubuntu system carries, never from a model hub 
   Vim licence). Only the German ``msgstr`` is used as a source text to translate.
 - Country names: tz database ``/usr/share/zoneinfo/iso3166.tab`` (public domain).
 - Cities and their country codes: tz database ``/usr/share/zoneinfo/zone1970.tab`` (public domain).
+- English prose documents with their licences: ``specdec.task_prose`` (Python reference, Vim
+  manual, package descriptions, Debian READMEs, CMake and Node.js manuals).
 
-``python -m specdec.task_corpus --out corpus.json`` writes the JSON that ``minedraft distill
+``python -m specdec.task_corpus --out corpus.json[.gz]`` writes the JSON that ``minedraft distill
 --task-corpus`` reads (a machine without these files gets the corpus as a file).
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import glob
 import gettext
+import gzip
 import json
 import os
 import re
@@ -79,12 +82,16 @@ def cities(path: str = ZONE1970_TAB, names: dict[str, str] | None = None) -> lis
 
 
 def collect() -> dict:
-    """The whole corpus: ``{"german": [...], "countries": [...], "cities": [...], "sources": {...}}``."""
+    """The whole corpus: ``{"german", "countries", "cities", "prose": [...], "sources": {...}}``."""
+    from specdec import task_prose
     names = countries()
+    prose = task_prose.collect_prose()
     return {"german": german_sentences(), "countries": sorted(set(names.values())), "cities": cities(names=names),
+            "prose": prose, "prose_sources": task_prose.source_summary(prose),
             "sources": {"german": "gettext catalogs " + ", ".join(MO_GLOBS) + " (licences: /usr/share/doc/<pkg>/copyright)",
                         "countries": ISO3166_TAB + " (tz database, public domain)",
-                        "cities": ZONE1970_TAB + " (tz database, public domain)"}}
+                        "cities": ZONE1970_TAB + " (tz database, public domain)",
+                        "prose": "specdec.task_prose (per-document source + licence; per kind in prose_sources)"}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,9 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="collect the offline task-prompt corpus")
     ap.add_argument("--out", required=True)
     corpus = collect()
-    with open(ap.parse_args(argv).out, "w", encoding="utf-8") as f:
+    out = ap.parse_args(argv).out
+    with (gzip.open if out.endswith(".gz") else open)(out, "wt", encoding="utf-8") as f:
         json.dump(corpus, f, ensure_ascii=False)
-    print({k: len(v) for k, v in corpus.items() if k != "sources"})
+    print({k: len(v) for k, v in corpus.items() if k not in ("sources", "prose_sources")})
     return 0
 
 

@@ -5,13 +5,16 @@ Spec-Bench (Xia et al. 2024, arXiv 2401.07851, Sec. 3) mixes multi-turn chat, tr
 A draft distilled on chat prompts alone agrees with the target far less on the document tasks
 (round 1: top-1 agreement 0.64 on held-out chat vs 0.37 on Spec-Bench), so distillation adds:
 
-- ``summarization``: "Summarize: <document>" and variants; documents are the TARGET's own
-  responses to the allowed chat prompts (1-3 joined), i.e. no outside text;
-- ``rag``: several such responses as passages + the question that produced one of them;
+- ``summarization``: "Summarize: <document>" and variants; documents are human prose of
+  ``specdec.task_prose`` (``PROSE_SHARE`` of them; licences recorded) or the TARGET's own
+  responses to the allowed chat prompts (1-3 joined);
+- ``rag``: 3-5 prose excerpts + a question on the topic of one of them (``PROSE_SHARE``), or
+  several target responses as passages + the question that produced one of them;
 - ``translation``: German sentences of ``specdec.task_corpus`` -> English (most), English
   sentences of the documents -> German / French;
 - ``math_reasoning``: GSM8K-style multi-step word problems from templates with seeded numbers;
-- ``qa``: short factual questions from templates over tz-database countries and cities;
+- ``qa``: short factual questions from templates over tz-database countries and cities and
+  over the prose documents' topics;
 - ``multi_turn``: chat prompt, the target's answer, a follow-up request.
 
 Everything is deterministic for a seed. Prompts sharing any word ``EXCLUSION_NGRAM``-gram with a
@@ -27,12 +30,16 @@ from dataclasses import dataclass
 from specdec import math_problems
 
 TASKS = ("summarization", "rag", "translation", "math_reasoning", "qa", "multi_turn")
-TASK_SHARES = {"summarization": 0.2, "rag": 0.2, "translation": 0.2, "math_reasoning": 0.15, "qa": 0.15,
-               "multi_turn": 0.1}
+TASK_SHARES = {"summarization": 0.22, "rag": 0.22, "translation": 0.16, "math_reasoning": 0.12, "qa": 0.16,
+               "multi_turn": 0.12}
 EXCLUSION_NGRAM = 10
 MIN_DOC_CHARS = 300
 MAX_PASSAGE_CHARS = 900
 MAX_RAG_QUESTION_CHARS = 200
+PROSE_SHARE = 0.75
+TOPIC_QUESTIONS = ("What is {topic}?", "Describe {topic}.", "What does the text say about {topic}?",
+                   "Explain {topic} in simple terms.", "how does {topic} work", "What are the main points about {topic}?",
+                   "Summarize what the passages say about {topic}.", "what is {topic} used for?")
 SUMMARIZE = ("Summarize: {doc}", "Summarize the following text.\n\n{doc}", "{doc}\n\nSummarize the text above.",
              "Write a short summary of this article:\n{doc}", "Summarize: {doc}\nS:", "TL;DR of the following:\n{doc}")
 RAG = ("{passages}\n{question}", "Answer the question using the passages below.\n\n{passages}\n\nQuestion: {question}",
@@ -137,31 +144,62 @@ def _clip(text: str, max_chars: int) -> str:
     return cut[:end + 1] if end > max_chars // 2 else cut[:cut.rfind(" ")]
 
 
-def summarization(docs: list[tuple[str, str]], n: int, rng: random.Random) -> list[TaskPrompt]:
-    """``n`` summarization prompts over 1-3 joined documents ``(question, answer)`` (answers used)."""
+def topic(prose_doc: dict) -> str:
+    """Short topic of a ``specdec.task_prose`` document: its title up to the first ':'."""
+    return prose_doc["title"].split(":")[0].strip()
+
+
+def summarization(docs: list[tuple[str, str]], n: int, rng: random.Random,
+                  prose: list[dict] | None = None) -> list[TaskPrompt]:
+    """``n`` summarization prompts: one prose document (share ``PROSE_SHARE`` when ``prose``), else
+    1-3 joined documents ``(question, answer)`` (answers used)."""
     long_docs = [a for _, a in docs if len(a) >= MIN_DOC_CHARS]
-    if not long_docs:
+    if not long_docs and not prose:
         return []
     out = []
     for _ in range(n):
-        doc = "\n\n".join(rng.sample(long_docs, min(rng.randint(1, 3), len(long_docs))))
+        if prose and (not long_docs or rng.random() < PROSE_SHARE):
+            text = rng.choice(prose)["text"]
+            doc = text if rng.random() < 0.5 else text[_start(text, rng):]
+        else:
+            doc = "\n\n".join(rng.sample(long_docs, min(rng.randint(1, 3), len(long_docs))))
         out.append(TaskPrompt("summarization", _user(rng.choice(SUMMARIZE).format(doc=doc))))
     return out
 
 
-def rag(docs: list[tuple[str, str]], n: int, rng: random.Random) -> list[TaskPrompt]:
-    """``n`` RAG prompts: the answer to a short question among 2-4 other answers, then the question."""
+def rag(docs: list[tuple[str, str]], n: int, rng: random.Random, prose: list[dict] | None = None) -> list[TaskPrompt]:
+    """``n`` RAG prompts: prose excerpts (share ``PROSE_SHARE`` when ``prose``, :func:`prose_rag`),
+    else the answer to a short question among 2-4 other answers, then the question."""
     usable = [(q, a) for q, a in docs if len(q) <= MAX_RAG_QUESTION_CHARS and len(a) >= MIN_DOC_CHARS]
-    if len(usable) < 2:
+    if len(usable) < 2 and not (prose and len(prose) >= 3):
         return []
     out = []
     for _ in range(n):
+        if prose and len(prose) >= 3 and (len(usable) < 2 or rng.random() < PROSE_SHARE):
+            out.append(prose_rag(prose, rng))
+            continue
         question, answer = rng.choice(usable)
         others = [a for q, a in rng.sample(usable, min(rng.randint(2, 4), len(usable) - 1) + 1) if q != question]
         passages = [_clip(p, MAX_PASSAGE_CHARS) for p in [answer, *others[:4]]]
         rng.shuffle(passages)
         out.append(TaskPrompt("rag", _user(rng.choice(RAG).format(passages="\n".join(passages), question=question))))
     return out
+
+
+def prose_rag(prose: list[dict], rng: random.Random) -> TaskPrompt:
+    """3-5 prose excerpts (<= ``MAX_PASSAGE_CHARS`` each, shuffled) + a ``TOPIC_QUESTIONS`` question
+    on the topic of the first one, in one of the ``RAG`` layouts."""
+    chosen = rng.sample(prose, rng.randint(3, 5))
+    passages = [_clip(d["text"][_start(d["text"], rng):], MAX_PASSAGE_CHARS) for d in chosen]
+    question = rng.choice(TOPIC_QUESTIONS).format(topic=topic(chosen[0]))
+    rng.shuffle(passages)
+    return TaskPrompt("rag", _user(rng.choice(RAG).format(passages="\n".join(passages), question=question)))
+
+
+def _start(text: str, rng: random.Random) -> int:
+    """A paragraph start in ``text`` (0 or after a blank line), chosen at random."""
+    starts = [0] + [m.end() for m in re.finditer(r"\n\n", text) if m.end() < len(text) - MIN_DOC_CHARS // 2]
+    return rng.choice(starts)
 
 
 def translation(german: list[str], docs: list[tuple[str, str]], n: int, rng: random.Random) -> list[TaskPrompt]:
@@ -176,12 +214,18 @@ def translation(german: list[str], docs: list[tuple[str, str]], n: int, rng: ran
     return out
 
 
-def factual_qa(country_names: list[str], city_rows: list[dict], n: int, rng: random.Random) -> list[TaskPrompt]:
-    """``n`` short factual questions from ``QA`` templates over countries and cities."""
+def factual_qa(country_names: list[str], city_rows: list[dict], n: int, rng: random.Random,
+               prose: list[dict] | None = None) -> list[TaskPrompt]:
+    """``n`` short factual questions from ``QA`` templates over countries and cities; a quarter
+    ``TOPIC_QUESTIONS`` over prose topics when ``prose``."""
     if not country_names or not city_rows:
         return []
     out = []
     for _ in range(n):
+        if prose and rng.random() < 0.25:
+            question = rng.choice(TOPIC_QUESTIONS[:6]).format(topic=topic(rng.choice(prose)))
+            out.append(TaskPrompt("qa", _user(question)))
+            continue
         template = rng.choice(QA)
         out.append(TaskPrompt("qa", _user(template.format(country=rng.choice(country_names),
                                                           city=rng.choice(city_rows)["city"]))))
@@ -206,17 +250,18 @@ def build_task_prompts(docs: list[tuple[str, str]], corpus: dict, mix: TaskMix,
 
     Args:
         docs: ``(chat prompt, target response)`` texts; the document source.
-        corpus: ``specdec.task_corpus.collect()`` (keys german, countries, cities; missing = empty).
+        corpus: ``specdec.task_corpus.collect()`` (keys german, countries, cities, prose; missing = empty).
         mix: counts per task + seed.
         excluded: :func:`eval_ngrams` of the evaluation set; overlapping prompts are dropped.
     Returns: the prompts; a task lacking its source text (e.g. no German) yields none.
     """
     rng = random.Random(mix.seed)
     german = [row["de"] for row in corpus.get("german", [])]
-    makers = {"summarization": lambda k: summarization(docs, k, rng), "rag": lambda k: rag(docs, k, rng),
+    prose = corpus.get("prose") or None
+    makers = {"summarization": lambda k: summarization(docs, k, rng, prose), "rag": lambda k: rag(docs, k, rng, prose),
               "translation": lambda k: translation(german, docs, k, rng),
               "math_reasoning": lambda k: math_problems.word_problems(k, rng),
-              "qa": lambda k: factual_qa(corpus.get("countries", []), corpus.get("cities", []), k, rng),
+              "qa": lambda k: factual_qa(corpus.get("countries", []), corpus.get("cities", []), k, rng, prose),
               "multi_turn": lambda k: multi_turn(docs, k, rng)}
     out = []
     for task, count in mix.counts:

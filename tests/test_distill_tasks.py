@@ -62,3 +62,23 @@ def test_warm_start_loads_own_weights_and_refuses_mismatches(tmp_path, tiny_llam
     other = LlamaForCausalLM.from_pretrained(tiny_llama_dir(tmp_path / "other", num_layers=4, seed=5))
     with pytest.raises(IncompatibleDraftError):
         distill_tasks.warm_start(draft, init, other.model.embed_tokens.weight)
+
+
+def test_warm_start_grows_a_draft_function_preservingly(tmp_path, tiny_llama_dir):
+    target_dir = tiny_llama_dir(tmp_path / "target", num_layers=4, seed=0)
+    target = LlamaForCausalLM.from_pretrained(target_dir).eval()
+    init = str(tmp_path / "init")
+    fmt.make_truncated_draft(target_dir, [0, 3], init)
+    small = fmt.load_draft(init, target_model=target)
+    grown = fmt.build_draft_from_target(target, [0, 2, 3])
+    distill_tasks.warm_start(grown, init, target.model.embed_tokens.weight, (0, 2, 3))
+    ids = torch.randint(0, target.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(grown(ids).logits, small(ids).logits)  # the new layer is an identity block
+    assert grown.model.layers[1].mlp.down_proj.weight.abs().sum() == 0
+    assert grown.model.layers[1].mlp.up_proj.weight.abs().sum() > 0  # still trainable from the target layer
+    assert distill_tasks.growth_slots((0, 3), (0, 2, 3), 3) == [0, 2]
+    with pytest.raises(ValueError, match="ordered subset"):
+        distill_tasks.growth_slots((0, 3), (0, 1, 2), 3)
+    with pytest.raises(ValueError, match="growth"):
+        distill_tasks.growth_slots((0, 3), None, 3)

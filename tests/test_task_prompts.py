@@ -46,7 +46,7 @@ def test_every_task_type_is_present_with_its_shape():
 
 def test_mix_counts_and_validation():
     mix = tp.TaskMix.from_total(100)
-    assert sum(n for _, n in mix.counts) == 100 and dict(mix.counts)["math_reasoning"] == 15
+    assert sum(n for _, n in mix.counts) == 100 and dict(mix.counts)["math_reasoning"] == 12
     with pytest.raises(ValueError, match="counts"):
         tp.TaskMix((("poetry", 3),))
     with pytest.raises(ValueError, match="counts"):
@@ -87,5 +87,23 @@ def test_corpus_prose_filter_and_collect_shape():
     assert not task_corpus.is_prose("Datei %s nicht gefunden, bitte erneut versuchen jetzt sofort")
     assert not task_corpus.is_prose("zu kurz")
     corpus = task_corpus.collect()
-    assert set(corpus) == {"german", "countries", "cities", "sources"}
+    assert set(corpus) == {"german", "countries", "cities", "prose", "prose_sources", "sources"}
     assert all(task_corpus.is_prose(row["de"]) for row in corpus["german"])
+
+
+PROSE = [{"title": f"Library {i}: a thing", "source": "test", "licence": "MIT",
+          "text": "\n\n".join(f"Paragraph {j} of library {i} describes how the library {i} works in prose." * 3
+                              for j in range(6))} for i in range(10)]
+
+
+def test_prose_documents_feed_summarization_rag_and_qa():
+    prompts = tp.build_task_prompts(DOCS, {**CORPUS, "prose": PROSE}, tp.TaskMix.from_total(200, seed=1))
+    by_task = {t: [p.text() for p in prompts if p.task == t] for t in tp.TASKS}
+    assert all(by_task.values()), tp.mix_summary(prompts)
+    from_prose = [t for t in by_task["summarization"] if "Paragraph" in t]
+    assert len(from_prose) > len(by_task["summarization"]) // 2  # PROSE_SHARE of them
+    prose_rag = [t for t in by_task["rag"] if "Paragraph" in t]
+    assert prose_rag and all(t.count("Paragraph") >= 3 for t in prose_rag)
+    assert all(any(f"Library {i}" in t.split("Paragraph")[-1] for i in range(10)) for t in prose_rag)  # topic question
+    assert any("Library" in t for t in by_task["qa"])
+    assert tp.topic(PROSE[0]) == "Library 0"
