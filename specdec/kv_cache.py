@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from specdec.kv_metadata import (  # noqa: F401  (re-exported: the cache's public names)
-    NOT_CONSECUTIVE, SLOT_ATTENTION_NAME, SLOT_METADATA_KWARG, STATIC_K_BUFFER, STATIC_V_BUFFER,
+    CAUSAL_MASK, NOT_CONSECUTIVE, SLOT_ATTENTION_NAME, SLOT_METADATA_KWARG, STATIC_K_BUFFER, STATIC_V_BUFFER,
     SlotAttentionMetadata, StaticSlotMetadata,
 )
 from specdec.slot_attention import (  # noqa: F401  (re-exported; importing registers the attention)
@@ -135,12 +135,15 @@ class SlotKVCache:
             row_masks=row_masks,
         )
 
-    def _row_mask(self, start: int, length: int, q_len: int) -> torch.Tensor | None:
+    def _row_mask(self, start: int, length: int, q_len: int) -> torch.Tensor | str | None:
         """Row-wise layout: ``[1, 1, G * q_len, length]`` bool, query t (position ``start + t``)
         may attend keys ``<= start + t``, repeated for the G folded query heads; None when
-        ``q_len`` is 1 (the one query attends every cached key)."""
+        ``q_len`` is 1 (the one query attends every cached key); ``CAUSAL_MASK`` when the row
+        is a whole prefill into an empty slot (``start == 0``, ``length == q_len``)."""
         if q_len == 1:
             return None
+        if start == 0 and length == q_len:
+            return CAUSAL_MASK
         key_pos = torch.arange(length, dtype=torch.int64)
         query_pos = start + torch.arange(q_len, dtype=torch.int64)
         mask = key_pos[None, :] <= query_pos[:, None]                        # [q, len]

@@ -15,6 +15,9 @@ NOT_CONSECUTIVE = -1  # SlotAttentionMetadata.first_slot when the batch's slots 
 # index inside a compiled decoder layer, so one compiled graph serves every layer.
 STATIC_K_BUFFER = "minedraft_k_cache"
 STATIC_V_BUFFER = "minedraft_v_cache"
+# SlotAttentionMetadata.row_masks entry of a row whose queries are exactly its keys (a prefill
+# into an empty slot): causal SDPA without a mask (half the work of a masked one on CPU)
+CAUSAL_MASK = "causal"
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,9 @@ class SlotAttentionMetadata:
         row_slots: the ``b`` slot ids as Python ints.
         row_lens: the ``b`` new sequence lengths (cached + new real tokens) as Python ints.
         row_masks: row-wise layout: per row ``[1, 1, G * q, row_lens[i]]`` bool with the
-            ``G = num_query_groups`` query heads of a KV head folded into the query axis, or
-            None for a row whose queries may attend all of its keys (q = 1); None: batched.
+            ``G = num_query_groups`` query heads of a KV head folded into the query axis, None
+            for a row whose queries may attend all of its keys (q = 1), or ``CAUSAL_MASK`` for
+            a prefill into an empty slot; None: batched.
     """
 
     cache: "SlotKVCache"  # noqa: F821  (specdec.kv_cache)
@@ -62,7 +66,7 @@ class SlotAttentionMetadata:
     first_slot: int
     row_slots: tuple[int, ...] = ()
     row_lens: tuple[int, ...] = ()
-    row_masks: tuple[torch.Tensor | None, ...] | None = None
+    row_masks: tuple[torch.Tensor | str | None, ...] | None = None
 
     @property
     def is_rowwise(self) -> bool:

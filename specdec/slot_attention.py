@@ -19,7 +19,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from specdec.kv_metadata import (
-    SLOT_ATTENTION_NAME, SLOT_METADATA_KWARG, STATIC_K_BUFFER, STATIC_V_BUFFER, SlotAttentionMetadata,
+    CAUSAL_MASK, SLOT_ATTENTION_NAME, SLOT_METADATA_KWARG, STATIC_K_BUFFER, STATIC_V_BUFFER, SlotAttentionMetadata,
     StaticSlotMetadata,
 )
 
@@ -108,12 +108,16 @@ def _rowwise_attention(
     folded = query.reshape(batch, num_kv_heads, (num_heads // num_kv_heads) * q_len, head_dim)
     out = torch.empty_like(folded)                                       # [b, KVH, G*q, d]
     for row, (slot, length, mask) in enumerate(zip(meta.row_slots, meta.row_lens, meta.row_masks)):
-        k_row = k_cache[slot : slot + 1, :, :length]                     # [1, KVH, len, d] view
-        v_row = v_cache[slot : slot + 1, :, :length]
+        k_row = k_cache[slot : slot + 1, :, :length].to(query.dtype)     # [1, KVH, len, d] view
+        v_row = v_cache[slot : slot + 1, :, :length].to(query.dtype)
+        if isinstance(mask, str) and mask == CAUSAL_MASK:               # prefill of an empty slot
+            row_out = F.scaled_dot_product_attention(
+                query[row : row + 1], k_row, v_row, dropout_p=0.0, is_causal=True, scale=scaling,
+                enable_gqa=True)                                         # [1, H, q, d]
+            out[row : row + 1] = row_out.reshape(1, num_kv_heads, -1, head_dim)
+            continue
         out[row : row + 1] = F.scaled_dot_product_attention(
-            folded[row : row + 1], k_row.to(query.dtype), v_row.to(query.dtype), attn_mask=mask,
-            dropout_p=0.0, scale=scaling,
-        )
+            folded[row : row + 1], k_row, v_row, attn_mask=mask, dropout_p=0.0, scale=scaling)
     return out.reshape(batch, num_heads, q_len, head_dim).transpose(1, 2).contiguous()
 
 
