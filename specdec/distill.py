@@ -35,8 +35,8 @@ from tqdm import tqdm
 from specdec import draft_format as fmt
 from specdec.distill_data import (  # noqa: F401  (re-exported: the public distill API)
     DEFAULT_DATA_DIR, EVAL_FILE, TRAIN_FILES, _eos_ids, build_dataset, encode_prompt_texts, encode_prompts,
-    frequent_token_ids, generate_responses, load_prompts, load_target, pad_batch, target_to_draft_index,
-    teacher_topk)
+    frequent_token_ids, generate_responses, load_prompts, load_target, pad_batch, response_coverage,
+    target_to_draft_index, teacher_topk)
 
 FIELD_HELP = {
     "gguf_file": "GGUF file name inside --target (a dir)", "work_dir": "data cache + checkpoints (default $MINEDRAFT_CACHE/distill/<out name>)",
@@ -53,8 +53,9 @@ FIELD_HELP = {
     "time_budget_s": "stop training once the whole run took this many seconds, then evaluate + save (0: none)",
     "num_task_prompts": "synthetic task prompts (specdec.task_prompts: summarization, RAG, translation, math, QA, multi-turn)",
     "num_task_heldout": "held-out task prompts", "num_task_samples": "sampled responses per task prompt besides the greedy one",
-    "task_corpus": "corpus JSON of python -m specdec.task_corpus (default: collect from this system)",
-    "max_task_prompt_tokens": "drop longer task prompts (tokens)", "task_new_tokens": "task response length (0: max_new_tokens)", "init_draft": "draft dir to warm-start the layers from",
+    "task_corpus": "corpus JSON (.json/.json.gz) of python -m specdec.task_corpus (default: collect from this system)",
+    "max_task_prompt_tokens": "drop longer task prompts (tokens)", "task_new_tokens": "task response length (0: max_new_tokens)",
+    "init_draft": "draft dir to warm-start the layers from (fewer layers: grown, see distill_tasks.warm_start)",
 }
 
 
@@ -163,6 +164,13 @@ def top1_agreement(draft, target, pairs, device, batch_size: int) -> float:
     return hits / max(total, 1)
 
 
+def cosine_factor(step: int, num_steps: int, elapsed_s: float, time_left_s: float | None) -> float:
+    """Cosine learning-rate factor in [0, 1] at the later of ``step / num_steps`` and
+    ``elapsed_s / time_left_s`` (seconds of training so far / seconds it may take; None: steps only)."""
+    frac = step / num_steps if time_left_s is None else max(step / num_steps, elapsed_s / max(time_left_s, 1e-3))
+    return 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+
+
 def train(cfg: DistillConfig, draft, pairs, teacher, device: str, tag: str, t0: float | None = None) -> dict:
     """AdamW + cosine schedule over ``num_epochs``; resumes from ``work_dir/ckpt_<tag>.pt``.
 
@@ -177,11 +185,8 @@ def train(cfg: DistillConfig, draft, pairs, teacher, device: str, tag: str, t0: 
     t_start = time.perf_counter() if t0 is None else t0
     t_train, time_left = time.perf_counter(), cfg.time_budget_s - (time.perf_counter() - t_start)
 
-    def lr_factor(s: int) -> float:
-        frac = s / num_steps if not cfg.time_budget_s else max(s / num_steps, (time.perf_counter() - t_train) / max(time_left, 1e-3))
-        return 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_factor(
+        s, num_steps, time.perf_counter() - t_train, time_left if cfg.time_budget_s else None))
     ckpt_path, step, num_tokens, losses = os.path.join(cfg.work_dir, f"ckpt_{tag}.pt"), 0, 0, []
     vocab_ids = fmt.draft_vocab_ids(draft)
     lut = target_to_draft_index(vocab_ids, draft.config.vocab_size)
@@ -249,7 +254,7 @@ def run(cfg: DistillConfig) -> dict:
                    num_heldout_sequences=len(held), wall_time_s=round(time.perf_counter() - t0, 1),
                    seed=cfg.seed, device=device, lr=cfg.lr, num_epochs=cfg.num_epochs,
                    top_k_logits=cfg.top_k_logits, max_new_tokens=cfg.max_new_tokens,
-                   response_token_coverage=_coverage(pairs, vocab_ids), init_draft=cfg.init_draft,
+                   response_token_coverage=response_coverage(pairs, vocab_ids), init_draft=cfg.init_draft,
                    top1_agreement_task_heldout_before=task_before, num_task_heldout_sequences=len(task_held),
                    top1_agreement_task_heldout=top1_agreement(draft, target, task_held, device, cfg.batch_size)
                    if task_held else None, **task_summary)
@@ -259,15 +264,6 @@ def run(cfg: DistillConfig) -> dict:
         draft_vocab_size=None if vocab_ids is None else vocab_ids.numel())
     fmt.save_draft(draft, cfg.out_dir, meta, dtype=getattr(torch, cfg.save_dtype))
     return summary
-
-
-def _coverage(pairs, vocab_ids: torch.Tensor | None) -> float:
-    """Share of training response tokens inside the draft vocabulary (1.0 for a full vocab)."""
-    if vocab_ids is None:
-        return 1.0
-    kept = set(vocab_ids.tolist())
-    total = sum(len(r) for _, r in pairs)
-    return sum(t in kept for _, r in pairs for t in r) / max(total, 1)
 
 
 def parse_args(argv: list[str] | None) -> DistillConfig:

@@ -141,6 +141,15 @@ def frequent_token_ids(pairs, num_ids: int, always=()) -> torch.Tensor:
     return torch.tensor(sorted(ranked[:num_ids]), dtype=torch.int64)
 
 
+def response_coverage(pairs, vocab_ids: torch.Tensor | None) -> float:
+    """Share of training response tokens inside the draft vocabulary (1.0 for a full vocab)."""
+    if vocab_ids is None:
+        return 1.0
+    kept = set(vocab_ids.tolist())
+    total = sum(len(r) for _, r in pairs)
+    return sum(t in kept for _, r in pairs for t in r) / max(total, 1)
+
+
 def target_to_draft_index(vocab_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
     """Lookup ``[vocab_size]``: target id -> index in the draft head, -1 outside; None: identity."""
     if vocab_ids is None:

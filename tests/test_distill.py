@@ -142,3 +142,11 @@ def test_training_a_reduced_vocab_draft_lowers_the_loss(tmp_path, tiny_llama):
         after = float(distill.train_step(draft, pairs, teacher, "cpu", lut)[0])
     assert after < 0.7 * before, (before, after)
     assert distill.top1_agreement(draft, target, pairs, "cpu", 4) > 0.0
+
+
+def test_cosine_factor_anneals_by_steps_or_by_the_time_budget():
+    assert distill.cosine_factor(0, 100, 0.0, None) == 1.0
+    assert abs(distill.cosine_factor(50, 100, 999.0, None) - 0.5) < 1e-9  # no budget: steps only
+    assert abs(distill.cosine_factor(10, 100, 50.0, 100.0) - 0.5) < 1e-9  # half the time left is gone
+    assert distill.cosine_factor(10, 100, 150.0, 100.0) == 0.0  # out of time: fully annealed
+    assert abs(distill.cosine_factor(75, 100, 1.0, 100.0) - distill.cosine_factor(75, 100, 0.0, None)) < 1e-9
