@@ -21,7 +21,8 @@ estimate is multiplied by its decayed ratio measured / predicted (``calibration`
 costs the model misses (RPC overhead, idle time, serial parts) count against the mode that pays
 them. The current mode is kept unless another is better by ``margin`` (hysteresis). While in
 ``ar`` one ``sd`` step runs every ``probe_every_steps`` steps so the acceptance estimate (otherwise
-frozen) can show that drafts pay again; each probe after which ``ar`` still wins doubles that
+frozen) can show that drafts pay again (a ``psd`` step every other probe when the requests can
+fill two batches, so its timings do not stay stale either); each probe after which ``ar`` still wins doubles that
 interval (up to ``max_probe_every_steps``), so a mode that keeps losing costs ever less to probe;
 a switch back to speculation resets it. Before any timing is known: ``psd`` when there are more
 than m requests, else ``sd``.
@@ -51,7 +52,7 @@ MIN_CALIBRATION_STEPS = 3.0  # decayed steps of a mode before its calibration is
 class AutoConfig:
     """Attributes:
         margin: relative goodput gain needed to leave the current mode, >= 0.
-        probe_every_steps: in ``ar``, run one ``sd`` step after this many ``ar`` steps (>= 1).
+        probe_every_steps: in ``ar``, run one ``sd`` or ``psd`` probe step after this many ``ar`` steps (>= 1).
         max_probe_every_steps: the probe interval's bound while probes keep losing (>= probe_every_steps).
         calibration_decay: weight of the past per step in the measured / predicted ratios, in (0, 1).
     """
@@ -117,7 +118,7 @@ class AutoMode:
         self.current: Mode | None = None
         self.probe_every_steps = cfg.probe_every_steps
         self.calibration: dict[str, _Calibration] = {str(m): _Calibration() for m in (Mode.AR, Mode.SD, Mode.PSD)}
-        self._num_ar_steps = 0
+        self._num_ar_steps = self._num_probes = 0
         self._last: AutoDecision | None = None
         self._last_inputs: tuple[tuple[int, int], bool] = ((0, 0), False)  # of the last model estimate
 
@@ -179,7 +180,9 @@ class AutoMode:
         goodput = self.goodputs(batch_sizes, can_fill_two)
         self._last_inputs = (batch_sizes, can_fill_two)
         if self.current == Mode.AR and self._num_ar_steps >= self.probe_every_steps:
-            return AutoDecision(Mode.SD, REASON_PROBE, goodput)
+            self._num_probes += 1  # sd and psd take turns, so neither keeps a stale estimate
+            is_psd = can_fill_two and self._num_probes % 2 == 0
+            return AutoDecision(Mode.PSD if is_psd else Mode.SD, REASON_PROBE, goodput)
         best = Mode(max(goodput, key=goodput.get))
         current = str(self.current) if self.current is not None else None
         if current in goodput and goodput[str(best)] <= goodput[current] * (1 + self.cfg.margin):

@@ -94,10 +94,9 @@ def test_step_loop_in_auto_mode_switches_and_stays_exact(accuracy: float) -> Non
                     if sample.name.endswith("_total"):
                         decisions[sample.labels["mode"]] += sample.value
             assert decisions == {mode: modes.count(mode) for mode in decisions}, (decisions, modes)
-            assert len(set(modes)) >= 2, modes
-            if accuracy == 0.0:
-                assert modes.count("ar") > len(modes) // 2, modes
-            else:
+            if accuracy == 0.0:  # starts speculating (no timings yet), then switches to ar
+                assert len(set(modes)) >= 2 and modes.count("ar") > len(modes) // 2, modes
+            else:  # sd or psd (which one depends on how many requests arrived before the first step)
                 assert modes.count("ar") < len(modes) // 2, modes
             status = await h.stub.GetStatus(coordinator_pb2.StatusRequest())
             assert status.mode == "auto" and status.effective_mode in ("ar", "sd", "psd")

@@ -98,6 +98,7 @@ def test_drafts_always_rejected_settle_on_ar_with_ever_rarer_probes() -> None:
     probes = [i for i, (_, reason) in enumerate(decisions) if reason == REASON_PROBE]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert 2 <= len(probes) <= 6 and gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0], probes
+    assert {decisions[i][0] for i in probes} == {Mode.SD, Mode.PSD}  # both speculative modes refreshed
     assert auto.probe_every_steps > 8
 
 
