@@ -236,6 +236,8 @@ def run(cfg: DistillConfig) -> dict:
     torch.manual_seed(cfg.seed)
     target, tokenizer = load_target(cfg, device)
     pairs, teacher, held, task_held, task_summary = build_dataset(cfg, target, tokenizer, device)
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # hand generation's cached blocks back (a concurrent run shares the GPU)
     layers = cfg.init_layers or default_init_layers(target.config.num_hidden_layers, cfg.num_layers)
     vocab_ids = None
     if cfg.draft_vocab_size:
