@@ -8,10 +8,14 @@ Every generation goes through the same ``GatewayServicer.prepare`` / ``run`` as 
 validation, tokenization, chat template, detokenization and stop strings are shared.
 Errors use the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``: 400 naming the
 field in ``param``, 401 wrong API key (when the gateway has one), 404 unknown model or route,
-429 overloaded (coordinator RESOURCE_EXHAUSTED), 503 not serving, 500 otherwise.
+429 overloaded (coordinator RESOURCE_EXHAUSTED), 503 not serving, 500 otherwise. A client that
+disconnects before its response starts (a non-streaming request, or a stream still waiting for its
+first token) has its request aborted at the coordinator at once (logged as 499, nginx's "client
+closed request"); an open stream is aborted by Starlette's own disconnect watch.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
@@ -47,6 +51,7 @@ _STATUS_OF_CODE = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.UNAUTHENTICATED: 401,
 }
 _CODE_OF_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+CLIENT_CLOSED_STATUS = 499  # nobody reads it; it labels the request metrics
 _TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                    429: "rate_limit_error", 503: "service_unavailable_error"}
 
@@ -67,6 +72,47 @@ def _invalid(exc: InvalidRequestError, body) -> JSONResponse:
     if param == "model" and "unknown model" in str(exc):
         return error_response(404, str(exc).replace("model: ", "", 1), param, "model_not_found")
     return error_response(400, str(exc), param)
+
+
+async def unless_disconnected(request: Request, work) -> Response:
+    """Awaits ``work`` (a coroutine making the response) but cancels it once the client is gone:
+    cancelling closes ``GatewayServicer.run``, which aborts the request at the coordinator, so it
+    does not run on to ``max_tokens`` holding KV slots. Returns 499 then (nobody reads it).
+
+    (``Request.is_disconnected`` never turns true behind Starlette's BaseHTTPMiddleware, which
+    the auth middleware is, so this waits on ``receive()``: with the body read, the next ASGI
+    message is ``http.disconnect``.)"""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return error_response(CLIENT_CLOSED_STATUS, "client closed the request")
+    finally:
+        for pending in (task, gone):  # no-op when done; this handler itself cancelled: stop both
+            pending.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await gone  # a streaming response listens on receive() next
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _body_error(error: dict) -> tuple[str, str | None]:
+    """(message, OpenAI param) of a pydantic/FastAPI body error: the field path without union
+    branch tags (``prompt.function-after[...]``), and no param for JSON that does not parse."""
+    if error.get("type") == "json_invalid":
+        detail = (error.get("ctx") or {}).get("error", "")
+        return f"body: invalid JSON{': ' + detail if detail else ''}", None
+    loc = [str(part) for part in error.get("loc", ())
+           if part != "body" and (isinstance(part, int) or str(part).isidentifier())]
+    return f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid')}", loc[0] if loc else None
 
 
 def _stream_error(error) -> tuple[int, str]:
@@ -196,23 +242,23 @@ def build_app(frontend: OpenAIFrontend) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid_body(request: Request, exc: RequestValidationError):
-        error = exc.errors()[0]
-        loc = [str(part) for part in error.get("loc", ()) if part != "body"]
-        return error_response(400, f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid')}", loc[0] if loc else None)
+        return error_response(400, *_body_error(exc.errors()[0]))
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, exc: HTTPException):
         return error_response(exc.status_code, str(exc.detail))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await frontend.generate("/v1/chat/completions", body, CHAT, body.logprobs, include_usage)
+        return await unless_disconnected(request, frontend.generate(
+            "/v1/chat/completions", body, CHAT, body.logprobs, include_usage))
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await frontend.generate("/v1/completions", body, COMPLETION, body.logprobs is not None, include_usage)
+        return await unless_disconnected(request, frontend.generate(
+            "/v1/completions", body, COMPLETION, body.logprobs is not None, include_usage))
 
     @app.get("/v1/models")
     async def models():

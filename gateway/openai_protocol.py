@@ -12,18 +12,37 @@ API, following vLLM's OpenAI server (https://docs.vllm.ai/en/latest/serving/open
   (several in one request) are refused with 400.
 - Unknown fields are refused (400 naming the field) rather than silently ignored, so a sampling
   option this server does not implement never changes results unnoticed.
+- Values valid JSON can carry but the protobuf wire cannot are refused with 400 naming the field
+  (pydantic, before any translation): integers outside the int32 (int64 for ``seed``) proto
+  field, and text holding a lone UTF-16 surrogate (e.g. the JSON escape ``"\ud800"``).
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from minedraft.v1 import common_pb2, generate_pb2
 
 from gateway.validation import InvalidRequestError
 
 DEFAULT_TEMPERATURE = 1.0
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # proto int32 fields (token ids, max_tokens, top_k, ...)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # proto int64 (seed)
+
+
+def _utf8_text(text: str) -> str:
+    """``text`` unchanged; ValueError when it holds a lone surrogate (proto strings are UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode text: lone surrogate at index {exc.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8_text)]
+Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
 class _Strict(BaseModel):
@@ -35,20 +54,20 @@ class StreamOptions(_Strict):
 
 
 class _SamplingFields(_Strict):
-    model: str | None = None
-    max_tokens: int | None = None
+    model: Text | None = None
+    max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[Int32] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    seed: int | None = None
+    seed: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Int32 = 1
     user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -56,13 +75,13 @@ class _SamplingFields(_Strict):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")  # e.g. "name"; tool fields are not served
-    role: str
-    content: str | list[TextPart] | None = None
+    role: Text
+    content: Text | list[TextPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -73,8 +92,8 @@ class ChatMessage(BaseModel):
 class CompletionRequest(_SamplingFields):
     """Body of ``POST /v1/completions``; ``logprobs`` is the number of top logprobs (0-20)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: Text | list[Text] | list[Int32] | list[list[Int32]]
+    logprobs: Int32 | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -83,9 +102,9 @@ class ChatCompletionRequest(_SamplingFields):
     """Body of ``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
 
 
 def _sampling(body: _SamplingFields, max_tokens: int | None, num_top: int) -> common_pb2.SamplingParams:
