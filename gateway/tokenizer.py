@@ -16,7 +16,14 @@ class PromptTokenizer:
     Not thread-safe: ``encode(split_special_tokens=...)`` mutates the Rust tokenizer's
     ``encode_special_tokens`` flag, so concurrent encodes (or an encode racing a decode) could
     tokenize a chat template's special tokens as text or fail with "Already borrowed". The
-    gateway calls it from its event-loop thread only (a prompt encodes in about a millisecond).
+    gateway calls it from its event-loop thread only (a prompt encodes in about a millisecond;
+    ``gateway.validation`` refuses text too long to fit before it gets here, see ``max_token_bytes``).
+
+    Attributes:
+        vocab_size: number of token ids.
+        max_token_bytes: most UTF-8 bytes the text of one token spans (a token ending inside a
+            character decodes to U+FFFD and counts 3), so text of ``n`` bytes has at least
+            ``n / max_token_bytes`` tokens. SmolLM2: 81.
 
     Raises:
         OSError: the directory holds no loadable tokenizer.
@@ -25,6 +32,7 @@ class PromptTokenizer:
     def __init__(self, tokenizer_dir: str) -> None:
         self._tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.vocab_size: int = len(self._tokenizer)
+        self.max_token_bytes: int = _max_token_bytes(self._tokenizer)
         self.has_chat_template: bool = bool(getattr(self._tokenizer, "chat_template", None))
 
     @property
@@ -53,3 +61,9 @@ class PromptTokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Decodes token ids to text."""
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+def _max_token_bytes(tokenizer) -> int:
+    """Most UTF-8 bytes of one token's decoded text, over the whole vocabulary (~0.6 s for 49152 ids)."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=False)
+    return max(1, max(len(text.encode("utf-8", "surrogatepass")) for text in texts))

@@ -27,6 +27,7 @@ TOP_K_OFF = -1
 TOP_P_OFF = 1.0
 NUM_SAMPLES_SERVED = 1
 MAX_TOP_LOGPROBS = 20
+PROMPT_BYTES_SLACK = 2  # a tokenizer's normalizer (e.g. NFC) may shrink text before it is split
 
 
 class InvalidRequestError(ValueError):
@@ -61,6 +62,24 @@ def _check_range(field: str, value: float, is_ok: bool, expected: str) -> None:
         raise InvalidRequestError(field, "must be a number, got NaN")
     if not is_ok:
         raise InvalidRequestError(field, f"must be {expected}, got {value}")
+
+
+def _check_text_size(request: generate_pb2.GenerateRequest, tokenizer: PromptTokenizer, max_model_len: int) -> None:
+    """Refuses text that cannot fit before tokenizing it: a token spans at most
+    ``tokenizer.max_token_bytes`` bytes, so more than ``max_model_len * max_token_bytes * slack``
+    bytes hold more than ``max_model_len`` tokens. Tokenizing runs on the gateway's event loop; a
+    10 MB prompt took 13 s there on a busy 2-core CPU, stalling every other stream."""
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        num_bytes = len(request.prompt.encode("utf-8"))
+    elif kind == "messages":
+        num_bytes = sum(len(m.content.encode("utf-8")) for m in request.messages.messages)
+    else:
+        return
+    max_bytes = max_model_len * tokenizer.max_token_bytes * PROMPT_BYTES_SLACK
+    if num_bytes > max_bytes:
+        raise InvalidRequestError(kind, f"{num_bytes} bytes of text cannot fit max_model_len {max_model_len} "
+                                  f"tokens (at most {max_bytes} bytes)")
 
 
 def _tokenize_input(request: generate_pb2.GenerateRequest, tokenizer: PromptTokenizer) -> list[int]:
@@ -154,6 +173,7 @@ def prepare_request(request: generate_pb2.GenerateRequest, tokenizer: PromptToke
     if s.max_tokens > cfg.max_model_len:
         raise InvalidRequestError(
             "sampling.max_tokens", f"must be <= max_model_len {cfg.max_model_len}, got {s.max_tokens}")
+    _check_text_size(request, tokenizer, cfg.max_model_len)
     prompt_token_ids = _tokenize_input(request, tokenizer)
     sampling = common_pb2.SamplingParams()
     sampling.CopyFrom(s)

@@ -5,7 +5,8 @@ Checked: values a JSON body can carry but the protobuf wire cannot (integers wid
 int64 proto fields, lone UTF-16 surrogates such as ``"\\ud800"`` in text) are 400 naming the
 OpenAI param, not 500; malformed JSON is 400 without a bogus param; a client that disconnects
 before the response starts (non-streaming, or a stream still waiting for its first token) aborts
-the request at the coordinator instead of leaving it to run to ``max_tokens``.
+the request at the coordinator instead of leaving it to run to ``max_tokens``; text too long to fit
+``max_model_len`` is refused before tokenizing (which blocks the gateway's event loop).
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ from gateway.config import GatewayConfig
 from gateway.http_server import HttpServer
 from gateway.server import SERVICE_NAME, GatewayServicer
 from gateway.tokenizer import PromptTokenizer
+from gateway.validation import PROMPT_BYTES_SLACK, InvalidRequestError, prepare_request
 from gateway_harness import FakeCoordinatorThread, _free_port
 from minedraft.serving import ServingHealth
+from minedraft.v1 import generate_pb2
 
 MODEL = "tiny-robust-model"
 ABORT_WAIT_S = 10.0
@@ -154,3 +157,32 @@ def test_client_disconnect_before_the_first_byte_aborts_at_the_coordinator(gatew
     while request_id not in fake.aborted and time.monotonic() < deadline:
         time.sleep(0.02)
     assert request_id in fake.aborted
+
+
+@pytest.fixture(scope="module")
+def prompt_tokenizer(tokenizer_dir) -> PromptTokenizer:
+    return PromptTokenizer(tokenizer_dir)
+
+
+@pytest.mark.parametrize("kind", ["prompt", "messages"])
+def test_text_too_long_to_fit_is_refused_without_tokenizing(prompt_tokenizer, monkeypatch, kind):
+    """Tokenizing runs on the gateway's event loop: a 10 MB prompt stalled every other stream for
+    13 s. Text with more bytes than max_model_len tokens can span is refused before tokenizing."""
+    cfg = GatewayConfig(tokenizer="unused", max_model_len=64)
+    assert 4 <= prompt_tokenizer.max_token_bytes < 1000  # SmolLM2's longest token: 81 bytes
+    max_bytes = cfg.max_model_len * prompt_tokenizer.max_token_bytes * PROMPT_BYTES_SLACK
+    text = "a" * (max_bytes + 1)
+
+    def never(*args, **kwargs):
+        raise AssertionError("tokenized a prompt that cannot fit")
+
+    monkeypatch.setattr(prompt_tokenizer, "encode_text", never)
+    monkeypatch.setattr(prompt_tokenizer, "encode_chat", never)
+    request = (generate_pb2.GenerateRequest(prompt=text) if kind == "prompt" else generate_pb2.GenerateRequest(
+        messages=generate_pb2.ChatMessages(messages=[generate_pb2.ChatMessage(role="user", content=text)])))
+    with pytest.raises(InvalidRequestError, match=f"^{kind}: {max_bytes + 1} bytes") as info:
+        prepare_request(request, prompt_tokenizer, cfg)
+    assert info.value.field == kind
+    monkeypatch.undo()
+    fits = generate_pb2.GenerateRequest(prompt="a" * 60)  # a short prompt still goes through the tokenizer
+    assert len(prepare_request(fits, prompt_tokenizer, cfg).prompt_token_ids) < cfg.max_model_len
