@@ -111,7 +111,7 @@ class Front:
 
 
 def load_points(args) -> list[PointSpec]:
-    points = [closed_point(c, args.requests_per_client, args.min_requests) for c in args.concurrencies]
+    points = [closed_point(c, args.requests_per_client, args.min_requests, args.max_requests) for c in args.concurrencies]
     if not args.no_burst:
         points.append(open_point(BURST_LABEL, bursty_arrivals(args.burst, args.seed)))
     return points
@@ -124,8 +124,8 @@ def run_config(args, front: Front, pool, points, budget: Budget, report: SweepRe
                     seed=args.seed)
     front.up()
     if args.num_warmup:
-        run_point(front.address, pool, closed_point(args.num_warmup, 1, args.num_warmup), sampling,
-                  args.startup_timeout_s, request_prefix="warmup")
+        warmup = closed_point(min(args.num_warmup, sweep.max_num_running), 1, args.num_warmup, args.num_warmup)
+        run_point(front.address, pool, warmup, sampling, args.startup_timeout_s, request_prefix="warmup")
     report.note(f"{sweep.name}: front up + warm-up {time.monotonic() - start:.1f} s")
     for point in points:
         progress.set_postfix_str(f"{sweep.name} {point.label}")

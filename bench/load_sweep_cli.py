@@ -81,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="closed-loop load points (requests in flight)")
     p.add_argument("--requests-per-client", type=int, default=1, help="closed loop: requests = max(min, this * c)")
     p.add_argument("--min-requests", type=int, default=8, help="closed loop: fewest requests of a point")
+    p.add_argument("--max-requests", type=int, default=0, help="closed loop: most requests of a point (0 = no cap)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -92,7 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gap-s", default=f"{BurstConfig.min_gap_s},{BurstConfig.max_gap_s}", help="min,max quiet gap (s)")
     p.add_argument("--num-trickle", type=int, default=BurstConfig.num_trickle, help="single requests per gap")
     p.add_argument("--no-burst", action="store_true", help="skip the bursty open-loop point")
-    p.add_argument("--num-warmup", type=int, default=2, help="unmeasured requests per configuration")
+    p.add_argument("--num-warmup", type=int, default=2,
+                   help="unmeasured requests per configuration, up to its max running requests at once (the "
+                        "engines capture a CUDA graph per new batch bucket and verify width on first use)")
     p.add_argument("--time-budget-s", type=float, default=520.0, help="no point starts after this")
     p.add_argument("--min-point-s", type=float, default=8.0, help="a point starts only if this much is left")
     p.add_argument("--startup-timeout-s", type=float, default=300.0)

@@ -6,6 +6,7 @@
 #   2. bench.load_sweep at the GPU default dtype (bfloat16): every configuration of its grid under
 #      closed-loop concurrency 1..64 and the bursty trace, within what is left of the call.
 # Usage: bash bench/load_sweep_device.sh [TOTAL_S]   (results under $OUT; default TOTAL_S 570)
+# Env: SKIP_GPU_STACK=1 (sweep only), SWEEP_CONFIGS (grid), SWEEP_EXTRA (more bench.load_sweep flags).
 set -u
 TOTAL_S=${1:-570}
 START=$(date +%s)
@@ -21,7 +22,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c 'import torch, transformers, grpc; print("torch", torch.__version__, "transformers", transformers.__version__, "grpcio", grpc.__version__, "gpus", torch.cuda.device_count())'
 left() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
 
-python3 -m bench.gpu_stack --out-dir "$OUT/gpu_stack" --logs-dir /tmp/logs/gpu_stack --parts a,b \
+[ -n "${SKIP_GPU_STACK:-}" ] || python3 -m bench.gpu_stack --out-dir "$OUT/gpu_stack" --logs-dir /tmp/logs/gpu_stack --parts a,b \
     --target smollm2-135m-instruct --prompts .gpu6/prompts.jsonl --spread --limit 32 --max-tokens 128 \
     --dtype float32 --time-budget-s "${GPU_STACK_S:-130}" --min-run-s 12
 echo "gpu_stack done, $(left) s left"
@@ -30,6 +31,6 @@ python3 -m bench.load_sweep --out-dir "$OUT/sweep" --logs-dir /tmp/logs/sweep --
     --target smollm2-135m-instruct --prompts .gpu6/prompts.jsonl --max-tokens 48 --min-requests 4 \
     --num-bursts 3 --burst-size 12,24 --gap-s 1,2 --num-trickle 2 \
     --configs "${SWEEP_CONFIGS:-ar-m16,ar-m32,sd-k4-m16,sd-k2-m16,psd-k4-m16,psd-k2-m16,psd-k4-m16-adaptive,auto-k4-m16-adaptive-feedback,ar-m4,sd-k2-m4,sd-k4-m4,psd-k2-m4,psd-k4-m4}" \
-    --time-budget-s "$(( $(left) - 30 ))" --min-point-s 10
+    --time-budget-s "$(( $(left) - 30 ))" --min-point-s 10 ${SWEEP_EXTRA:-}
 echo "load_sweep done, $(left) s left"
 tar czf "$OUT/logs.tgz" -C /tmp/logs . 2>/dev/null

@@ -51,8 +51,12 @@ class PointSpec:
             raise ValueError(f"arrivals: {len(self.arrivals)} times for {self.num_requests} requests")
 
 
-def closed_point(concurrency: int, requests_per_client: int, min_requests: int) -> PointSpec:
-    return PointSpec(f"c{concurrency}", CLOSED_LOOP, max(min_requests, requests_per_client * concurrency), concurrency)
+def closed_point(concurrency: int, requests_per_client: int, min_requests: int, max_requests: int = 0) -> PointSpec:
+    """``max(min_requests, requests_per_client * concurrency)`` requests, capped by ``max_requests`` (0 = none)."""
+    num_requests = max(min_requests, requests_per_client * concurrency)
+    if max_requests:
+        num_requests = max(min(num_requests, max_requests), 1)
+    return PointSpec(f"c{concurrency}", CLOSED_LOOP, num_requests, concurrency)
 
 
 def open_point(label: str, arrivals: list[float]) -> PointSpec:

@@ -81,8 +81,8 @@ def test_cpu_twin_end_to_end(model_dirs, tmp_path):  # noqa: F811
     out = tmp_path / "out"
     argv = ["--out-dir", str(out), "--logs-dir", str(tmp_path / "logs"), "--device", "cpu", "--target", target,
             "--draft", draft, "--prompts", str(data), "--configs", CONFIGS, "--concurrencies", "1,3",
-            "--min-requests", "3", "--max-tokens", "4", "--max-model-len", "256", "--num-bursts", "2",
-            "--burst-size", "2,3", "--gap-s", "0.2,0.3", "--num-trickle", "1", "--num-warmup", "0",
+            "--min-requests", "3", "--max-requests", "3", "--max-tokens", "4", "--max-model-len", "256", "--num-bursts", "2",
+            "--burst-size", "2,3", "--gap-s", "0.2,0.3", "--num-trickle", "1", "--num-warmup", "2",
             "--ignore-eos", "--time-budget-s", "600"]
     assert parse_args(argv).burst.num_bursts == 2
     assert main(argv) == 0
