@@ -55,6 +55,19 @@ def _validate(request: coordinator_pb2.CoordinatorGenerateRequest) -> str | None
     return None
 
 
+def _check_context(request: coordinator_pb2.CoordinatorGenerateRequest, limits: ContextLimits) -> str | None:
+    """Why the request cannot fit the verifier's context window (``prompt + max_tokens <=
+    max_model_len``, the gateway's rule in ``gateway.validation``), or None; no check while the
+    limit is unknown (0). Without it such a request streamed until the verifier's KV was full and
+    then failed with RESOURCE_EXHAUSTED (CapacityError)."""
+    max_model_len = limits.verifier_max_model_len
+    num_prompt, max_tokens = len(request.prompt_token_ids), request.sampling.max_tokens
+    if max_model_len and num_prompt + max_tokens > max_model_len:
+        return (f"sampling.max_tokens: prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"verifier's max_model_len {max_model_len}")
+    return None
+
+
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     """The Coordinator RPCs over one :class:`Scheduler` (None until the engines are ready)."""
 
@@ -70,7 +83,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if scheduler is None or self.is_draining:
             yield _error(grpc.StatusCode.UNAVAILABLE, "coordinator is not serving (warming up or draining)")
             return
-        problem = _validate(request)
+        problem = _validate(request) or _check_context(request, scheduler.limits)
         if problem is not None:
             yield _error(grpc.StatusCode.INVALID_ARGUMENT, problem)
             return
