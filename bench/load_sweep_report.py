@@ -81,6 +81,9 @@ class SweepReport:
                     entry[f"{name}/best_fixed"] = value / fixed[best]
                 if cfg.mode == "psd" and cfg.k_policy == "adaptive" and sd:
                     entry[f"{name}/best_sd"] = value / max(sd.values())
+                    same = f"sd-k{cfg.k}-m{cfg.m}"   # sd with the same k (bound) and m
+                    if same in sd:
+                        entry[f"{name}/{same}"] = value / sd[same]
             per_point[label] = entry
         return {"per_point": per_point, "goals": self._goals(per_point)}
 
@@ -161,6 +164,7 @@ def plot(payload: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
+    left.set_prop_cycle(color=plt.get_cmap("tab20").colors)   # one colour per configuration (up to 20)
     bursty = {}
     for name, by_label in payload["points"].items():
         closed = sorted((m["concurrency"], m[TPS]) for m in by_label.values() if m["kind"] == "closed")

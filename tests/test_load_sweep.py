@@ -66,6 +66,7 @@ def test_report_best_fixed_and_goals(tmp_path):
     assert goals["auto-k4-m4: within 3% of the best fixed at every load point"]["met"]
     assert goals["auto-k4-m4: above the best fixed on the bursty trace"]["ratio"] == pytest.approx(70 / 60)
     psd_goal = goals["psd-k4-m4-adaptive: >= 1.8x sd at its best point"]
+    assert analysis["per_point"]["bursty"]["psd-k4-m4-adaptive/sd-k4-m4"] == pytest.approx(90 / 60)
     assert psd_goal["point"] == "c4" and psd_goal["ratio"] == pytest.approx(150 / 80) and psd_goal["met"]
     assert report.points["sd-k4-m4"]["c4"]["outputs_equal_to_ar"]["num_equal"] == 0
     assert report.points["auto-k4-m4"]["c4"]["outputs_equal_to_ar"]["num_equal"] == 1
