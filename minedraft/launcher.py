@@ -9,8 +9,8 @@ other child is stopped. After start-up a dead drafter or coordinator is restarte
 (``restart_exited``, at most ``MAX_RESTARTS`` times each): meanwhile the coordinator serves on the
 verifier alone (``ar`` fallback, coordinator.fallback) or the gateway answers UNAVAILABLE, and
 both re-sync when it is back. A dead verifier or gateway ends ``minedraft up`` (the verifier
-holds every request's KV cache). Shutdown (Ctrl-C / SIGTERM / such a death): SIGTERM to every child's
-process group (gateway first), wait up to ``stop_timeout_s``, SIGKILL the stragglers. Children
+holds every request's KV cache). Shutdown (Ctrl-C / SIGTERM / such a death): ``Stack.stop``
+drains front to back (gateway, coordinator, engines). Children
 also get PR_SET_PDEATHSIG, so they are killed if the launcher itself is killed: no orphans.
 """
 from __future__ import annotations
@@ -210,11 +210,12 @@ class Stack:
                                  f"{service.log_path}:\n{log_tail(service.log_path)}")
 
     def stop(self) -> None:
-        """SIGTERM every process group (gateway first), wait, SIGKILL stragglers. Idempotent."""
-        for service in reversed(self.services):
-            _signal_group(service.process, signal.SIGTERM)
+        """Drain and stop, front to back: SIGTERM the gateway and wait for it to exit (it lets open
+        streams finish within its grace), then the coordinator, then the engines (still serving
+        while the front drains), all within ``stop_timeout_s``; SIGKILL stragglers. Idempotent."""
         deadline = time.monotonic() + self.cfg.stop_timeout_s
         for service in reversed(self.services):
+            _signal_group(service.process, signal.SIGTERM)
             try:
                 service.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
@@ -223,19 +224,6 @@ class Stack:
             _signal_group(service.process, signal.SIGKILL)  # stragglers and grandchildren
             service.process.wait()
         self.services.clear()
-
-
-def _restart_or_raise(stack: Stack, restarts: dict[str, int], log) -> None:
-    """One supervision pass: a failed restart is logged and retried on the next pass (restarts are
-    counted, so a service that keeps dying ends ``minedraft up``)."""
-    try:
-        restart_exited(stack, restarts, log)
-    except StackError as exc:
-        if any(s.process.poll() is not None and (s.spec.name not in RESTARTABLE or
-                                                 restarts.get(s.spec.name, 0) >= MAX_RESTARTS)
-               for s in stack.services):
-            raise
-        log(f"warning: restart failed, retrying: {str(exc).splitlines()[0]}")
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:

@@ -192,3 +192,25 @@ def test_service_dying_at_start_fails_launch_without_orphans(model_dirs, tmp_pat
     assert "last lines of" in str(info.value)
     assert all(p.poll() is not None for p in processes)
     assert os.path.isfile(os.path.join(stack.run_dir, "verifier.log"))
+
+
+def test_stop_drains_in_flight_requests_front_to_back(psd_stack):
+    """``Stack.stop`` (``minedraft up`` on SIGTERM) lets streams running at the signal finish: the
+    gateway drains first while the coordinator and engines still serve (before: every engine got
+    SIGTERM at once and in-flight requests failed with UNAVAILABLE). Stops the module's stack: last."""
+    stack, _ = psd_stack
+    cfg = stack.cfg
+    num_tokens = 48
+
+    def one(i: int) -> GenerationResult:
+        with MineDraftClient(f"{cfg.host}:{cfg.gateway_port}", timeout_s=120) as client:
+            return client.generate(prompt=PROMPTS[i], max_tokens=num_tokens, temperature=0, ignore_eos=True)
+
+    with ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(one, i) for i in range(2)]
+        deadline = time.monotonic() + 60
+        while _status(cfg).num_running < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stack.stop()
+        results = [r.result(timeout=60) for r in running]
+    assert [(r.finish_reason, len(r.token_ids)) for r in results] == [("length", num_tokens)] * 2
