@@ -20,7 +20,8 @@ PSD_ADAPTIVE_OVER_SD = 1.8  # psd-adaptive/best sd at psd-adaptive's best point
 TPS = "output_tokens_per_s"
 COLUMNS = ((TPS, "output tok/s", 1), ("ttft_ms_p50", "TTFT p50 ms", 0), ("ttft_ms_p99", "TTFT p99 ms", 0),
            ("latency_ms_p50", "latency p50 ms", 0), ("latency_ms_p99", "latency p99 ms", 0),
-           ("mean_acceptance_length", "mean acceptance length", 2), ("step_wall_ms_mean", "step ms", 1))
+           ("mean_acceptance_length", "mean acceptance length", 2), ("step_wall_ms_mean", "step ms", 1),
+           ("slow_step_s", "steps > 100 ms (s)", 2))
 
 
 def compare_tokens(results: list, reference: list) -> dict:

@@ -28,6 +28,7 @@ from minedraft.client import AsyncMineDraftClient, GenerationResult
 from minedraft.prompts import summarize
 
 AUTO_DECISIONS_METRIC = "minedraft:auto_mode_decisions_total"
+SLOW_STEP_MS = 100.0  # a step this slow is a stall (first-use graph capture), not steady state
 CLOSED_LOOP = "closed"
 OPEN_LOOP = "open"
 
@@ -111,7 +112,9 @@ def scrape_counter(metrics_url: str, name: str = AUTO_DECISIONS_METRIC) -> dict[
 
 def window_steps(step_log: str, start_s: float, end_s: float) -> dict:
     """Coordinator steps that started in ``[start_s, end_s]`` (Unix s): count per mode, k
-    histogram (``{"k": steps}``), mean step wall / draft / verify ms; {} without steps."""
+    histogram (``{"k": steps}``), mean step wall / draft / verify ms, total step time (s) and the
+    steps slower than ``SLOW_STEP_MS`` (count, seconds: on a GPU mostly first-use CUDA graph
+    captures of a new batch/verify-width/KV shape, ``specdec.cuda_graphs``); {} without steps."""
     try:
         with open(step_log, encoding="utf-8") as f:
             steps = [s for s in map(json.loads, filter(str.strip, f)) if start_s <= s["start_s"] <= end_s]
@@ -120,7 +123,9 @@ def window_steps(step_log: str, start_s: float, end_s: float) -> dict:
     if not steps:
         return {}
     means = {f"step_{key}_mean": sum(s[key] for s in steps) / len(steps) for key in ("wall_ms", "draft_ms", "verify_ms")}
-    return {"num_steps": len(steps), "steps_by_mode": dict(Counter(s["mode"] for s in steps)),
+    slow = [s["wall_ms"] for s in steps if s["wall_ms"] > SLOW_STEP_MS]
+    return {"num_steps": len(steps), "num_slow_steps": len(slow), "slow_step_s": sum(slow) / 1e3,
+            "step_s": sum(s["wall_ms"] for s in steps) / 1e3, "steps_by_mode": dict(Counter(s["mode"] for s in steps)),
             "steps_by_k": {str(k): n for k, n in sorted(Counter(s["k"] for s in steps).items())}, **means}
 
 

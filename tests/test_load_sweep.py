@@ -94,6 +94,7 @@ def test_cpu_twin_end_to_end(model_dirs, tmp_path):  # noqa: F811
         for label, m in by_label.items():
             assert m["num_output_tokens"] == 4 * m["num_requests"] and m["output_tokens_per_s"] > 0
             assert m["ttft_ms_p50"] <= m["latency_ms_p99"] and m["num_steps"] > 0
+            assert 0 <= m["slow_step_s"] <= m["step_s"] and m["num_slow_steps"] <= m["num_steps"]
             if name != "ar-m2":
                 assert m["outputs_equal_to_ar"]["num_equal"] == m["outputs_equal_to_ar"]["num_compared"] == m["num_requests"]
     auto = payload["points"]["auto-k3-m2-adaptive-feedback"]
