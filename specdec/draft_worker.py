@@ -108,9 +108,7 @@ class DraftWorker(Worker):
             state.kv_token_ids = list(state.committed)
         with _tracer.start_as_current_span("draft.catch_up_forward",
                                            attributes={"minedraft.num_tokens": sum(map(len, fed))}):
-            logits = self.runner.forward([s.slot for s in states], fed)
-        last = torch.tensor([len(row) - 1 for row in fed])
-        return logits[torch.arange(len(states)), last]
+            return self.runner.prefill([s.slot for s in states], fed)   # LM head on last tokens only
 
     def _draft_steps(self, states: list[RequestState], last_logits: torch.Tensor,
                      k: int) -> tuple[list[list[int]], torch.Tensor | None]:
