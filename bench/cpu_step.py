@@ -188,12 +188,17 @@ def main(argv: list[str] | None = None) -> dict:
               "machine": f"{platform.processor() or platform.machine()}, "
                          f"{torch.get_num_threads()} thread(s)",
               "torch": torch.__version__, "steps": steps, "profiles": profiles}
-    out = Path(args.out)
+    write_results(args.out, result, _markdown(result))
+    return result
+
+
+def write_results(out_stem: str, result: dict, markdown: str) -> None:
+    """Write ``<out_stem>.json`` and ``<out_stem>.md`` (parent folders created) and print the Markdown."""
+    out = Path(out_stem)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(_markdown(result))
-    print(_markdown(result))
-    return result
+    out.with_suffix(".md").write_text(markdown)
+    print(markdown)
 
 
 if __name__ == "__main__":

@@ -17,14 +17,13 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from bench.cpu_step import write_results
 from specdec.config import CacheConfig, ModelConfig
 from specdec.runner import ModelRunner
 
@@ -113,11 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"model": args.model, "dtype": args.dtype,
               "command": "python -m bench.cpu_step_layout " + " ".join(sys.argv[1:] if argv is None else argv),
               "cases": time_cases(args.model, args.dtype, args.num_iters)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(_markdown(result))
-    print(_markdown(result))
+    write_results(args.out, result, _markdown(result))
     return result
 
 
