@@ -38,6 +38,8 @@ class ModelConfig:
             on CUDA, dynamo's eager backend elsewhere. Off by default.
         compile_layers: run static steps through ``torch.compile``'d decoder layers (one graph
             per shape shared by all layers; needs the static path). Off by default.
+        cuda_graph_precapture: with graphs on, capture every (batch bucket, 1..max_static_tokens,
+            KV bucket) shape at start-up instead of on first use (``StaticStepper.precapture``).
 
     Raises:
         ValueError: naming the invalid field.
@@ -53,6 +55,7 @@ class ModelConfig:
     max_static_tokens: int = 8
     compile_modules: bool = False
     compile_layers: bool = False
+    cuda_graph_precapture: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():

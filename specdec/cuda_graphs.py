@@ -32,6 +32,7 @@ batch 1 26.2 ms eager -> 3.3 ms graphs -> 1.7 ms graphs + compiled layers; Llama
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -213,6 +214,8 @@ class StaticStepper:
         self._graphs: dict[tuple[int, int, int], tuple] = {}   # key -> (graph, input, logits)
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.capture_error: str | None = None   # set when a capture failed (graphs then off)
+        self.used_shapes: set[tuple[int, int, int]] = set()   # (B, q, kv_len) of every step
+        self.precaptured_shapes: set[tuple[int, int, int]] = set()
 
     @property
     def num_graphs(self) -> int:
@@ -234,6 +237,7 @@ class StaticStepper:
         batch = _smallest_at_least(self.batch_buckets, num_rows)
         kv_len = _smallest_at_least(
             self.kv_buckets, max(s + len(row) for s, row in zip(starts, token_ids)))
+        self.used_shapes.add((batch, num_tokens, kv_len))
         packed = self._pack(slots, token_ids, starts, batch, num_tokens, pad_token_id)
         with torch.inference_mode():
             if not self.use_graphs:
@@ -248,6 +252,38 @@ class StaticStepper:
             static_in.copy_(packed, non_blocking=True)
             graph.replay()
             return static_out[:num_rows].clone()
+
+    def all_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (batch bucket, tokens per row 1..max_tokens, KV bucket) a step can use."""
+        return [(b, q, kv) for b in self.batch_buckets for q in range(1, self.max_tokens + 1)
+                for kv in self.kv_buckets if kv >= q]
+
+    def precapture(self, run_eager: bool = False) -> tuple[int, float]:
+        """Capture every shape of ``all_shapes`` now (warm-up), so no step pays a capture.
+
+        With graphs on each shape is captured (as on first use, writes go to the scratch slot
+        only). The CPU twin records the shapes and, with ``run_eager``, runs the static
+        forward of each once (same writes, no graph). Returns (number of shapes, seconds).
+        """
+        started = time.perf_counter()
+        with torch.inference_mode():
+            for batch, num_tokens, kv_len in self.all_shapes():
+                if self.use_graphs:
+                    try:
+                        self._graph(batch, num_tokens, kv_len)
+                    except RuntimeError as exc:
+                        self._disable_graphs(exc)
+                        break
+                elif run_eager:
+                    dummy = [self._padding_row(num_tokens, 0)] * batch
+                    static_forward(self.model, self.cache,
+                                   torch.tensor(dummy, dtype=torch.int64).to(self.cache.device),
+                                   num_tokens, kv_len, self._layers)
+                self.precaptured_shapes.add((batch, num_tokens, kv_len))
+        seconds = time.perf_counter() - started
+        logger.info("precaptured %d static shapes (graphs=%s) in %.1f s",
+                    len(self.precaptured_shapes), self.use_graphs, seconds)
+        return len(self.precaptured_shapes), seconds
 
     def _disable_graphs(self, exc: Exception) -> None:
         """A capture failed: log it, keep the static path but run it eagerly from now on."""

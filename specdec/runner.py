@@ -77,6 +77,8 @@ class ModelRunner:
                 model, self.cache, cache_cfg.max_num_seqs, cache_cfg.max_model_len,
                 model_cfg.max_static_tokens, use_graphs=_use_graphs(model_cfg),
                 compile_layers=model_cfg.compile_layers)
+            if self.static_stepper.use_graphs and model_cfg.cuda_graph_precapture:
+                self.static_stepper.precapture()
         self._has_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._free_slots: list[int] = list(range(cache_cfg.max_num_seqs))
         self._allocated: set[int] = set()
