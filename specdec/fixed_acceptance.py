@@ -64,7 +64,7 @@ def fixed_acceptance_sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept each draft with probability P (first rejection ends the row), then the target's token.
 
-    Consumes ``b * k`` uniforms of ``bench_generator`` per call, and V exponentials of a sampled
+    Consumes ``b * k`` uniforms of ``bench_generator`` per call, and one uniform of a sampled
     row's own generator (``specdec.sampling.sample_from_probs``); greedy rows use none of theirs.
 
     Returns:

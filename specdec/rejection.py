@@ -14,8 +14,9 @@ So each row commits ``num_accepted + 1`` tokens: the accepted drafts then one re
 token, and its output is distributed exactly as the target model sampling alone.
 Greedy rows (temperature 0) accept while ``d_i == argmax p_i`` and then emit the target argmax.
 
-Randomness: a sampled row consumes, from its own generator, exactly k uniform draws then V
-exponential draws per call, whatever is accepted; a greedy row consumes nothing. So a seeded
+Randomness: a sampled row consumes, from its own generator, exactly k + 1 uniform draws per call
+(k acceptance tests, then one for the recovered or bonus token, drawn by inverse transform
+sampling), whatever is accepted; a greedy row consumes nothing. So a seeded
 request gets the same tokens alone or in any batch.
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.sampling import exponential_noise, uniform_noise
+from specdec.sampling import inverse_cdf_sample, uniform_noise
 
 PLACEHOLDER_TOKEN_ID = -1
 """Pads ``output_token_ids`` past the committed tokens of a row."""
@@ -54,15 +55,14 @@ def _check_shapes(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | Non
 
 
 def _draw_noise(is_greedy: torch.Tensor, generators: list[torch.Generator], k: int,
-                vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: k uniforms [b, k] then V exponentials [b, V] (ones for greedy rows)."""
-    uniforms = torch.zeros(len(generators), k, dtype=torch.float64)
-    exponentials = torch.ones(len(generators), vocab_size, dtype=torch.float64)
+                device: torch.device) -> torch.Tensor:
+    """[b, k + 1] float64 uniforms per row: k acceptance tests, then the final token's draw
+    (zeros for greedy rows, which draw nothing)."""
+    uniforms = torch.zeros(len(generators), k + 1, dtype=torch.float64)
     for row, generator in enumerate(generators):
         if not bool(is_greedy[row]):
-            uniforms[row] = uniform_noise(k, generator)
-            exponentials[row] = exponential_noise(vocab_size, generator)
-    return uniforms.to(device), exponentials.to(device)
+            uniforms[row] = uniform_noise(k + 1, generator)
+    return uniforms.to(device)
 
 
 def _accept_mask(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -128,13 +128,13 @@ def rejection_sample(
     _check_shapes(draft_token_ids, draft_probs, target_probs, is_greedy, generators)
     batch_size, k = draft_token_ids.shape
     device = target_probs.device
-    uniforms, exponentials = _draw_noise(is_greedy, generators, k, target_probs.shape[2], device)
-    accepted = _accept_mask(draft_token_ids, draft_probs, target_probs, is_greedy, uniforms)
+    uniforms = _draw_noise(is_greedy, generators, k, device)
+    accepted = _accept_mask(draft_token_ids, draft_probs, target_probs, is_greedy, uniforms[:, :k])
     num_accepted = accepted.to(torch.int64).cumprod(dim=-1).sum(dim=-1)
     final = _final_distribution(draft_token_ids, draft_probs, target_probs, num_accepted)
     rows = torch.arange(batch_size, device=device)
     greedy_token = target_probs[rows, num_accepted].argmax(dim=-1)
-    final_token = torch.where(is_greedy, greedy_token, (final / exponentials).argmax(dim=-1))
+    final_token = torch.where(is_greedy, greedy_token, inverse_cdf_sample(final, uniforms[:, k]))
     positions = torch.arange(k + 1, device=device).unsqueeze(0)
     output = torch.full((batch_size, k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64,
                         device=device)

@@ -1,8 +1,8 @@
 """Tests for specdec.rejection (ladder after vLLM's tests/v1/sample/test_rejection_sampler.py).
 
 ``reference_rejection_sample`` below is a plain, loop-per-token transcription of Leviathan et al.
-2023, Algorithm 1 that consumes each row's generator in the documented order (k uniforms, then V
-exponentials); the batched implementation must agree with it token for token.
+2023, Algorithm 1 that consumes each row's generator in the documented order (k + 1 uniforms: k acceptance tests,
+then one located in the final distribution's cumulative sum); the batched implementation must agree with it token for token.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ def reference_rejection_sample(draft_ids, draft_probs, target_probs, is_greedy, 
             out[row, a] = p[a].argmax()
             num_accepted[row] = a
             continue
-        u = torch.rand(k, dtype=torch.float64, generator=generators[row])
-        e = torch.empty(vocab_size, dtype=torch.float64).exponential_(generator=generators[row])
+        u = torch.rand(k + 1, dtype=torch.float64, generator=generators[row])
         if draft_probs is None:
             q = torch.nn.functional.one_hot(draft_ids[row], vocab_size).double()
         else:
@@ -48,7 +47,12 @@ def reference_rejection_sample(draft_ids, draft_probs, target_probs, is_greedy, 
             residual = torch.clamp(p[a] - q[a], min=0)
             final = residual if residual.sum() > 0 else p[a]
             break
-        out[row, a] = (final / e.clamp(min=1e-300)).argmax()
+        running, threshold = 0.0, float(u[k]) * float(final.sum())
+        for token, weight in enumerate(final.tolist()):   # first token whose cumulative mass passes u
+            running += weight
+            if running > threshold:
+                break
+        out[row, a] = token
         num_accepted[row] = a
     return out, num_accepted
 

@@ -9,6 +9,7 @@ import torch
 
 from specdec.sampling import (
     SamplingParams,
+    inverse_cdf_sample,
     logits_to_probs,
     make_generator,
     sample_from_probs,
@@ -113,3 +114,23 @@ def test_sample_from_probs_distribution_and_greedy():
     assert torch.allclose(counts / num_samples, probs[0].float(), atol=0.015)
     greedy = sample_from_probs(probs, [True], [generator])
     assert greedy.tolist() == [0]
+
+
+def test_inverse_cdf_sample_edges_never_pick_zero_weight_tokens():
+    weights = torch.tensor([[0.0, 2.0, 0.0, 1.0, 0.0],    # mass 3: u < 2/3 -> 1, else 3
+                            [0.0, 0.0, 5.0, 0.0, 0.0]], dtype=torch.float32)
+    largest_u = 1.0 - 2.0 ** -53                            # u * total may round up to total
+    for u, expected in ((0.0, [1, 2]), (0.5, [1, 2]), (0.7, [3, 2]), (largest_u, [3, 2])):
+        uniforms = torch.tensor([u, u], dtype=torch.float64)
+        assert inverse_cdf_sample(weights, uniforms).tolist() == expected
+
+
+def test_sample_from_probs_consumes_one_draw_per_sampled_row():
+    probs = torch.softmax(torch.randn(3, 50, generator=make_generator(1)), dim=-1)
+    gens = [make_generator(5), make_generator(5), make_generator(6)]
+    sample_from_probs(probs, [False, True, False], gens)
+    after = [torch.rand(1, dtype=torch.float64, generator=g).item() for g in gens]
+    expected = [torch.rand(2, dtype=torch.float64, generator=make_generator(5))[1].item(),
+                torch.rand(1, dtype=torch.float64, generator=make_generator(5))[0].item(),
+                torch.rand(2, dtype=torch.float64, generator=make_generator(6))[1].item()]
+    assert after == expected
