@@ -67,6 +67,7 @@ class LinearFit:
             raise ValueError(f"decay: must be in (0, 1), got {decay}")
         self.decay = decay
         self._sw = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._summary: tuple[bool, tuple[float, float], tuple[float, float]] | None = None  # per observation
 
     @property
     def is_known(self) -> bool:
@@ -79,17 +80,17 @@ class LinearFit:
         d = self.decay ** max(num_periods, 1)
         self._sw, self._sx, self._sy = d * self._sw + 1.0, d * self._sx + x, d * self._sy + y
         self._sxx, self._sxy = d * self._sxx + x * x, d * self._sxy + x * y
+        self._summary = None
 
     @property
     def mean_point(self) -> tuple[float, float]:
         """Weighted means ``(x, y)`` of the observations; ``(0, 0)`` before any."""
-        return (self._sx / self._sw, self._sy / self._sw) if self.is_known else (0.0, 0.0)
+        return self._summarise()[1]
 
     @property
     def has_slope(self) -> bool:
         """Whether the observations span more than one x (so ``b`` is measured, not assumed)."""
-        mean_x, _ = self.mean_point
-        return self.is_known and self._sxx / self._sw - mean_x * mean_x > MIN_VARIANCE * max(1.0, mean_x * mean_x)
+        return self._summarise()[0]
 
     @property
     def weight(self) -> float:
@@ -98,19 +99,30 @@ class LinearFit:
 
     def coefficients(self) -> tuple[float, float]:
         """``(a, b)`` of the current fit; ``(0, 0)`` before any observation."""
+        return self._summarise()[2]
+
+    def _summarise(self) -> tuple[bool, tuple[float, float], tuple[float, float]]:
+        """(has_slope, mean point, coefficients), computed once per observation (the policies ask
+        for them hundreds of times per step)."""
+        if self._summary is None:
+            self._summary = self._compute_summary()
+        return self._summary
+
+    def _compute_summary(self) -> tuple[bool, tuple[float, float], tuple[float, float]]:
         if not self.is_known:
-            return 0.0, 0.0
-        mean_x, mean_y = self.mean_point
+            return False, (0.0, 0.0), (0.0, 0.0)
+        mean_x, mean_y = self._sx / self._sw, self._sy / self._sw
         var_x = self._sxx / self._sw - mean_x * mean_x
-        if not self.has_slope:
-            return max(mean_y, 0.0), 0.0
+        has_slope = var_x > MIN_VARIANCE * max(1.0, mean_x * mean_x)
+        if not has_slope:
+            return False, (mean_x, mean_y), (max(mean_y, 0.0), 0.0)
         b = (self._sxy / self._sw - mean_x * mean_y) / var_x
         if b < 0.0:  # noise: cost does not fall with work; use the mean
-            return max(mean_y, 0.0), 0.0
+            return True, (mean_x, mean_y), (max(mean_y, 0.0), 0.0)
         a = mean_y - b * mean_x
         if a < 0.0:  # refit through the origin
-            return 0.0, self._sxy / self._sxx if self._sxx > 0 else 0.0
-        return a, b
+            return True, (mean_x, mean_y), (0.0, self._sxy / self._sxx if self._sxx > 0 else 0.0)
+        return True, (mean_x, mean_y), (a, b)
 
     def predict(self, x: float) -> float:
         if self.is_known and not self.has_slope:

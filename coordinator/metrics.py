@@ -71,6 +71,9 @@ class CoordinatorMetrics:
                                            "Data-plane ms / step wall ms, over all steps.", registry=r)
         self.num_migrations = Counter(f"{_PREFIX}psd_batch_migrations",
                                       "Requests moved between PSD batches by the feedback balancer.", registry=r)
+        self.num_lazy_drafter_adds = Counter(f"{_PREFIX}auto_lazy_drafter_adds",
+                                             "Requests admitted while auto ran ar, added to the drafter on their first draft.",
+                                             registry=r)
         self.auto_decisions = Counter(f"{_PREFIX}auto_mode_decisions", "Steps by the mode --mode auto chose, and why.",
                                       ["mode", "reason"], registry=r)
         self.step_batch_size = Histogram(f"{_PREFIX}step_batch_size", "Requests per step by role.", ["role"],

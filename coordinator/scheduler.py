@@ -199,7 +199,9 @@ class Scheduler(StepLoop):
         seqs = [engine_pb2.SeqInit(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, sampling=r.sampling)
                 for r in new]
         drafted = [r for r in new if self.limits.fits_drafter(len(r.prompt_token_ids))]
-        is_drafting = self.mode != Mode.AR and bool(drafted)
+        # auto running ar adds newcomers to the drafter on their first draft (StepLoop._add_to_drafter)
+        is_lazy = self.cfg.mode == Mode.AUTO and self.effective_mode == Mode.AR
+        is_drafting = self.mode != Mode.AR and bool(drafted) and not is_lazy
         calls = [self.engines.prefill_verifier(seqs)]
         if is_drafting:  # a prompt longer than the draft's window runs without speculation
             draft_seqs = [seq for seq, r in zip(seqs, new) if r in drafted]

@@ -134,9 +134,12 @@ class StepLoop:
         if not requests:
             return
         k = ks[requests[0].request_id]
-        self._num_draft_calls += 1  # drafter step ids are unique per Draft call (dist plane key)
         start_s = time.time()
         try:
+            requests = await self._add_to_drafter(requests)
+            if not requests:
+                return
+            self._num_draft_calls += 1  # drafter step ids are unique per Draft call (dist plane key)
             result = await self.engines.draft(self._num_draft_calls, requests, k, self._data_plane)
         except (grpc.aio.AioRpcError, ValueError) as exc:
             self._lose_drafter(exc)
@@ -149,6 +152,22 @@ class StepLoop:
         times.phases.append(Phase("drafter", batch, start_s, result.draft_ms, result.wall_ms, len(requests)))
         times.data_plane_ms += result.data_plane_ms
         times.num_drafted += len(requests)
+
+    async def _add_to_drafter(self, requests: list[RequestState]) -> list[RequestState]:
+        """The ``requests`` that can be drafted now. Requests ``auto`` admitted while it ran ``ar``
+        (``num_drafter_tokens == 0``) are added to the drafter first, in one AddRequests call, with
+        their committed tokens but the last as the prompt (as after a drafter outage), so ``ar``
+        never waits for a drafter prefill. Raises grpc.aio.AioRpcError from the drafter."""
+        missing = [r for r in requests if r.num_drafter_tokens == 0
+                   and self.limits.fits_drafter(len(r.committed) - 1)]
+        if missing:
+            seqs = [engine_pb2.SeqInit(request_id=r.request_id, prompt_token_ids=r.committed[:-1], sampling=r.sampling)
+                    for r in missing]
+            await self.engines.add_requests(self.engines.drafter, seqs)
+            for request in missing:
+                request.num_drafter_tokens = len(request.committed) - 1
+            self.metrics.num_lazy_drafter_adds.inc(len(missing))
+        return [r for r in requests if r.num_drafter_tokens > 0]
 
     def _postprocess(self, verify_reqs, drafts, response: engine_pb2.VerifyResponse) -> tuple[int, list[int]]:
         """Commit each verified request's tokens; returns (tokens emitted, accepted count per request)."""

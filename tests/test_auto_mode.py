@@ -150,3 +150,40 @@ def test_auto_outside_psd_keeps_admitting_up_to_2m() -> None:
                 assert request.output_token_ids == _expected(prompt, sampling), rid
 
     asyncio.run(main())
+
+
+def test_auto_running_ar_admits_without_the_drafter_and_adds_on_first_draft(monkeypatch) -> None:
+    """Newcomers admitted while auto runs ``ar`` skip the drafter's prefill (``ar`` never waits for
+    it); the first sd/psd step that drafts them adds them with their committed tokens (the fake
+    drafter asserts the catch-up protocol on every Draft); outputs stay exact."""
+    from coordinator_harness import FakeDrafter
+
+    work = [(f"req-{i}", [3 + i, 7 + (2 * i) % 11], {"max_tokens": 400 if i < 2 else 300, "ignore_eos": True})
+            for i in range(5)]
+    adds: list[tuple[str, int]] = []   # (request id, output tokens committed when it was added)
+    scheduler = {}
+    add_requests = FakeDrafter.AddRequests
+
+    async def recording_add(self, request, context):
+        running = scheduler["s"].running
+        adds.extend((s.request_id, len(running[s.request_id].output_token_ids)) for s in request.seqs)
+        return await add_requests(self, request, context)
+
+    monkeypatch.setattr(FakeDrafter, "AddRequests", recording_add)
+
+    async def main():
+        async with TimedHarness(mode="auto", max_num_seqs=3, num_speculative_tokens=3, delay_s=0.004) as h:
+            scheduler["s"] = h.scheduler
+            h.drafter.accuracy = 0.0  # auto settles on ar and probes sd/psd now and then
+            first = [asyncio.create_task(h.generate(rid, p, **s)) for rid, p, s in work[:2]]
+            await wait_until(lambda: h.scheduler.totals.num_steps > 20 and h.scheduler.effective_mode == Mode.AR)
+            later = [asyncio.create_task(h.generate(rid, p, **s)) for rid, p, s in work[2:]]
+            results = await asyncio.gather(*first, *later)
+            for (rid, prompt, sampling), (tokens, _, _) in zip(work, results):
+                assert tokens == _expected(prompt, sampling), rid
+            late_ids = {rid for rid, _, _ in work[2:]}
+            assert [n for rid, n in adds if rid in late_ids and n == 0] == [], adds   # none at admission
+            assert {rid for rid, _ in adds} & late_ids, adds   # ... but added when a probe drafted them
+            assert h.scheduler.metrics.num_lazy_drafter_adds._value.get() >= len({r for r, _ in adds} & late_ids)
+
+    asyncio.run(main())
