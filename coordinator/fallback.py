@@ -24,6 +24,19 @@ from coordinator.request import RequestState
 logger = logging.getLogger(__name__)
 
 
+async def add_committed(engines: EngineClients, requests: list[RequestState]) -> None:
+    """Add ``requests`` to the drafter with their committed tokens but the last as the prompt, so
+    the next Draft call feeds that token (module docstring); marks them as told. Raises
+    grpc.aio.AioRpcError from the drafter."""
+    if not requests:
+        return
+    seqs = [engine_pb2.SeqInit(request_id=r.request_id, prompt_token_ids=r.committed[:-1], sampling=r.sampling)
+            for r in requests]
+    await engines.add_requests(engines.drafter, seqs)
+    for request in requests:
+        request.num_drafter_tokens = len(request.committed) - 1
+
+
 class DrafterLink:
     """Whether the drafter is usable, when to probe it next, and what it must forget on return."""
 
@@ -57,20 +70,15 @@ class DrafterLink:
     async def probe(self, engines: EngineClients, running: list[RequestState]) -> bool:
         """Try to bring the drafter back (see module docstring); returns True on success."""
         ids = sorted({r.request_id for r in running} | self._orphans)
-        seqs = [engine_pb2.SeqInit(request_id=r.request_id, prompt_token_ids=r.committed[:-1], sampling=r.sampling)
-                for r in running]
         try:
             await engines.drafter.GetInfo(engine_pb2.EngineInfoRequest(), timeout=engines.timeout)
             if ids:
                 await engines.release(engines.drafter, ids)
-            if seqs:
-                await engines.add_requests(engines.drafter, seqs)
+            await add_committed(engines, running)
         except grpc.aio.AioRpcError as exc:
             self._next_probe = time.monotonic() + self.retry_s
             logger.info("drafter still unavailable: %s", exc.code())
             return False
-        for request in running:
-            request.num_drafter_tokens = len(request.committed) - 1
         self._orphans.clear()
         self.is_available = True
         logger.info("drafter is back; speculation resumes for %d running requests", len(running))

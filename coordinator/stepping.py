@@ -26,6 +26,7 @@ from minedraft.v1 import engine_pb2
 
 from coordinator.adaptive import NO_DRAFT
 from coordinator.config import Mode
+from coordinator.fallback import add_committed
 from coordinator.finish import apply_finish
 from coordinator.request import RequestState, RequestStatus
 from coordinator.stats import StepStats, StepTimes
@@ -160,13 +161,8 @@ class StepLoop:
         never waits for a drafter prefill. Raises grpc.aio.AioRpcError from the drafter."""
         missing = [r for r in requests if r.num_drafter_tokens == 0
                    and self.limits.fits_drafter(len(r.committed) - 1)]
-        if missing:
-            seqs = [engine_pb2.SeqInit(request_id=r.request_id, prompt_token_ids=r.committed[:-1], sampling=r.sampling)
-                    for r in missing]
-            await self.engines.add_requests(self.engines.drafter, seqs)
-            for request in missing:
-                request.num_drafter_tokens = len(request.committed) - 1
-            self.metrics.num_lazy_drafter_adds.inc(len(missing))
+        await add_committed(self.engines, missing)
+        self.metrics.num_lazy_drafter_adds.inc(len(missing))
         return [r for r in requests if r.num_drafter_tokens > 0]
 
     def _postprocess(self, verify_reqs, drafts, response: engine_pb2.VerifyResponse) -> tuple[int, list[int]]:
