@@ -237,3 +237,20 @@ def test_random_forward_and_rollback_sequences_match_full_forward(tiny_llama):
                 committed[i] = committed[i][:keep]
 
     check()
+
+
+def test_dynamic_attention_on_cuda_leaves_out_cudnn_sdpa():
+    """cuDNN's SDPA plans every new (batch, length) shape (60-140 ms of host time per call on an
+    H200), so the dynamic-shape path on CUDA must not allow it; CPU calls are left alone."""
+    from types import SimpleNamespace
+
+    from specdec.slot_attention import _dynamic_backends
+
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with _dynamic_backends(SimpleNamespace(is_cuda=True)):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with _dynamic_backends(torch.zeros(1)):
+        assert torch.backends.cuda.cudnn_sdp_enabled()
