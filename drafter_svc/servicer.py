@@ -63,18 +63,10 @@ class DrafterServicer(engine_pb2_grpc.DrafterServicer):
 
     # ---- engine-thread functions (synchronous) ------------------------------------------
     def _add_all(self, seqs: list[tuple[str, list[int], SamplingParams]]) -> None:
-        """Add every request or none: a failure releases the ones added by this call."""
+        """Add every request or none (batched prefill: ``DraftWorker.add_requests``)."""
         check_unique_ids([rid for rid, _, _ in seqs])
-        added = []
-        try:
-            for request_id, prompt, params in seqs:
-                self.worker.add_request(request_id, prompt, params)
-                added.append(request_id)
-        except Exception:
-            for request_id in added:
-                self.worker.release(request_id)
-            raise
-        self._request_ids.update(added)
+        self.worker.add_requests(seqs)
+        self._request_ids.update(rid for rid, _, _ in seqs)
 
     def _draft(self, request: engine_pb2.DraftRequest, plane: int) -> engine_pb2.DraftResponse:
         request_ids = [seq.request_id for seq in request.seqs]

@@ -13,6 +13,8 @@ SUPPORTED_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
+ONE_PROMPT_PER_PREFILL = 0          # max_prefill_tokens: every prompt in its own forward
+CUDA_MAX_PREFILL_TOKENS = 8192      # max_prefill_tokens resolved on CUDA (None)
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,13 @@ class ModelConfig:
             per shape shared by all layers; needs the static path). Off by default.
         cuda_graph_precapture: with graphs on, capture every (batch bucket, 1..max_static_tokens,
             KV bucket) shape at start-up instead of on first use (``StaticStepper.precapture``).
+        max_prefill_tokens: prompts added together are prefilled in one forward while their
+            padded size (number of prompts x longest prompt, tokens) stays within this; a longer
+            prompt gets a forward of its own. ``ONE_PROMPT_PER_PREFILL`` (0): one forward per
+            prompt. None: ``CUDA_MAX_PREFILL_TOKENS`` on CUDA, where a prefill of a few hundred
+            tokens is launch-bound (an H200 prefilled one ~300-token SmolLM2-135M prompt in
+            26-31 ms, about what a batch of them costs), 0 elsewhere (on CPU a prefill is
+            compute-bound and padding would be wasted work).
 
     Raises:
         ValueError: naming the invalid field.
@@ -56,6 +65,7 @@ class ModelConfig:
     compile_modules: bool = False
     compile_layers: bool = False
     cuda_graph_precapture: bool = True
+    max_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -81,6 +91,10 @@ class ModelConfig:
         if not isinstance(self.max_static_tokens, int) or self.max_static_tokens < 1:
             raise ValueError(f"max_static_tokens must be a positive int, got "
                              f"{self.max_static_tokens!r}")
+        if self.max_prefill_tokens is not None and (
+            not isinstance(self.max_prefill_tokens, int) or self.max_prefill_tokens < 0
+        ):
+            raise ValueError(f"max_prefill_tokens must be an int >= 0 or None, got {self.max_prefill_tokens!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -93,6 +107,14 @@ class ModelConfig:
         if self.cuda_graphs is None:
             return torch.device(self.device).type == "cuda"
         return self.cuda_graphs
+
+    @property
+    def prefill_token_budget(self) -> int:
+        """``max_prefill_tokens`` resolved: None means ``CUDA_MAX_PREFILL_TOKENS`` on CUDA, else 0."""
+        if self.max_prefill_tokens is not None:
+            return self.max_prefill_tokens
+        is_cuda = torch.device(self.device).type == "cuda"
+        return CUDA_MAX_PREFILL_TOKENS if is_cuda else ONE_PROMPT_PER_PREFILL
 
     @property
     def use_static_shapes(self) -> bool:

@@ -50,10 +50,16 @@ class DraftWorker(Worker):
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
-        """Prefill the prompt into the draft KV (errors as ``TargetWorker.add_request``)."""
-        state, _ = self._new_state(request_id, prompt_token_ids, params, is_draft=True)
-        state.committed = list(prompt_token_ids)
-        state.kv_token_ids = list(prompt_token_ids)
+        """Prefill the prompt into the draft KV (one request of ``add_requests``)."""
+        self.add_requests([(request_id, prompt_token_ids, params)])
+
+    def add_requests(self, items: list[tuple[str, list[int], SamplingParams]]) -> None:
+        """Prefill ``(request_id, prompt_token_ids, params)`` prompts into the draft KV, several
+        per forward (``ModelConfig.max_prefill_tokens``); all or nothing (errors as
+        ``TargetWorker.add_requests``)."""
+        for (_, prompt, _), (state, _) in zip(items, self._new_states(items, is_draft=True)):
+            state.committed = list(prompt)
+            state.kv_token_ids = list(prompt)
 
     def can_draft(self, num_committed_tokens: int, k: int) -> bool:
         """Whether a sequence of that many committed tokens fits k draft steps in the draft KV."""

@@ -51,18 +51,28 @@ class TargetWorker(Worker):
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> StepOutput:
-        """Prefill the prompt and sample the first output token from the target.
+        """Prefill the prompt and sample the first output token from the target (one request of
+        ``add_requests``; same errors)."""
+        return self.add_requests([(request_id, prompt_token_ids, params)])[0]
+
+    def add_requests(self, items: list[tuple[str, list[int], SamplingParams]]) -> list[StepOutput]:
+        """Prefill ``(request_id, prompt_token_ids, params)`` prompts (several per forward, see
+        ``ModelConfig.max_prefill_tokens``) and sample each one's first output token from the
+        target; all or nothing.
 
         Raises:
             ValueError: duplicate id or empty prompt. CapacityError: no slot / prompt too long.
         """
-        state, logits = self._new_state(request_id, prompt_token_ids, params, is_draft=False)
-        probs = logits_to_probs(logits.unsqueeze(1), [params])[:, 0]
-        token_id = int(sample_from_probs(probs, [params.is_greedy], [state.generator])[0])
-        state.pending_token_id = token_id
-        logprobs = logits[:1].log_softmax(-1)                           # [1, V]
-        return StepOutput(request_id, [token_id], 0, [float(logprobs[0, token_id])],
-                          top_logprobs(logprobs, params.logprobs))
+        outputs = []
+        for (request_id, _, params), (state, logits) in zip(items, self._new_states(items, is_draft=False)):
+            logits = logits.unsqueeze(0)                                 # [1, V]
+            probs = logits_to_probs(logits.unsqueeze(1), [params])[:, 0]
+            token_id = int(sample_from_probs(probs, [params.is_greedy], [state.generator])[0])
+            state.pending_token_id = token_id
+            logprobs = logits.log_softmax(-1)                            # [1, V]
+            outputs.append(StepOutput(request_id, [token_id], 0, [float(logprobs[0, token_id])],
+                                      top_logprobs(logprobs, params.logprobs)))
+        return outputs
 
     def verify(self, request_ids: list[str], draft_token_ids: list[list[int]],
                draft_probs: torch.Tensor | None) -> list[StepOutput]:

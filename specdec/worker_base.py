@@ -74,6 +74,19 @@ class RequestState:
     kv_token_ids: list[int] = field(default_factory=list)        # draft only
 
 
+def prefill_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Indices of prompts of ``lengths`` grouped for batched prefill: shortest first, each group
+    as many prompts as keep ``len(group) * longest`` within ``max_tokens`` (padded tokens); a
+    prompt longer than ``max_tokens`` forms its own group; ``max_tokens`` 0: one per group."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 def _draft_seed(seed: int) -> int:
     return (seed * _DRAFT_SEED_MULTIPLIER + 1) % (1 << _SEED_BITS)
 
@@ -86,24 +99,45 @@ class Worker:
         self._seed_source = random.Random(seed)
         self._requests: dict[str, RequestState] = {}
 
-    def _new_state(self, request_id: str, prompt_token_ids: list[int],
-                   params: SamplingParams, is_draft: bool) -> tuple[RequestState, torch.Tensor]:
-        """Allocate a slot, prefill the prompt; return the state and last-token logits [1, V]."""
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already active")
-        if not prompt_token_ids:
+    def _new_states(self, items: list[tuple[str, list[int], SamplingParams]],
+                    is_draft: bool) -> list[tuple[RequestState, torch.Tensor]]:
+        """Allocate a slot per ``(request_id, prompt_token_ids, params)`` and prefill the prompts,
+        several per forward (``prefill_groups``); return each request's state and last-token
+        logits ``[V]`` in ``items`` order. All or nothing: on any error no request is added and
+        every slot taken here is freed.
+
+        Raises:
+            ValueError: a duplicate or already active id, an empty prompt (nothing allocated).
+            CapacityError: no free slot, or a prompt too long for ``max_model_len``.
+        """
+        ids = [request_id for request_id, _, _ in items]
+        duplicates = sorted({r for r in ids if ids.count(r) > 1 or r in self._requests})
+        if duplicates:
+            raise ValueError(f"request ids are already active or repeated: {duplicates}")
+        if any(not prompt for _, prompt, _ in items):
             raise ValueError("prompt_token_ids must be non-empty")
-        seed = params.seed if params.seed is not None else self._seed_source.getrandbits(_SEED_BITS)
-        generator = make_generator(_draft_seed(seed) if is_draft else seed)
-        slot = self.runner.allocate_slot()
+        seeds = [p.seed if p.seed is not None else self._seed_source.getrandbits(_SEED_BITS) for _, _, p in items]
+        generators = [make_generator(_draft_seed(seed) if is_draft else seed) for seed in seeds]
+        slots: list[int] = []
         try:
-            logits = self.runner.prefill([slot], [list(prompt_token_ids)])
+            for _ in items:
+                slots.append(self.runner.allocate_slot())
+            logits: list[torch.Tensor | None] = [None] * len(items)
+            budget = self.runner.model_cfg.prefill_token_budget
+            for group in prefill_groups([len(prompt) for _, prompt, _ in items], budget):
+                rows = self.runner.prefill([slots[i] for i in group], [list(items[i][1]) for i in group])
+                for row, i in enumerate(group):
+                    logits[i] = rows[row]                                   # [V]
         except Exception:
-            self.runner.free_slot(slot)
+            for slot in slots:
+                self.runner.free_slot(slot)
             raise
-        state = RequestState(slot=slot, params=params, generator=generator)
-        self._requests[request_id] = state
-        return state, logits
+        out = []
+        for (request_id, _, params), slot, generator, row_logits in zip(items, slots, generators, logits):
+            state = RequestState(slot=slot, params=params, generator=generator)
+            self._requests[request_id] = state
+            out.append((state, row_logits))
+        return out
 
     def _states(self, request_ids: list[str]) -> list[RequestState]:
         missing = [r for r in request_ids if r not in self._requests]

@@ -143,19 +143,11 @@ class VerifierEngine:
 
     # ---- applied on every rank ------------------------------------------------------------
     def _apply_add(self, request: engine_pb2.AddRequestsRequest) -> list[engine_pb2.SeqOutput]:
-        outputs, added = [], []
-        try:
-            for seq in request.seqs:
-                step = self.worker.add_request(seq.request_id, list(seq.prompt_token_ids),
-                                               to_sampling_params(seq.sampling))
-                added.append(seq.request_id)
-                outputs.append(to_seq_output(step))
-        except Exception:
-            for request_id in added:
-                self.worker.release(request_id)
-            raise
-        self.request_ids.update(added)
-        return outputs
+        """Prefill every new request (batched, all or nothing: ``TargetWorker.add_requests``)."""
+        steps = self.worker.add_requests([(seq.request_id, list(seq.prompt_token_ids), to_sampling_params(seq.sampling))
+                                          for seq in request.seqs])
+        self.request_ids.update(seq.request_id for seq in request.seqs)
+        return [to_seq_output(step) for step in steps]
 
     def _apply_verify(self, command: engine_pb2.VerifyRequest, probs) -> list[engine_pb2.SeqOutput]:
         ids = list(command.request_ids)
