@@ -162,21 +162,60 @@ def test_balancer_config_validation_names_the_field(bad: dict) -> None:
 
 
 def test_step_loop_with_feedback_balancer_keeps_outputs_exact_and_migrates() -> None:
-    """Fake engines (test_coordinator): requests of very different lengths finish unevenly, so
-    the batches drift apart; the balancer moves requests and every output is still the reference."""
+    """Fake engines (coordinator_harness): the imbalance is built deterministically, then the
+    balancer must move requests, and every output is still the reference.
+
+    The first wave (long, short, long, short, long, short; all queued in this order before the
+    loop admits any) is placed before the first step with equal costs, so it alternates: the three
+    long requests (60 tokens) share one batch, the three short ones (4 tokens) the other. The short
+    ones finish within a few steps and nothing refills their batch, so the step loop verifies three
+    requests against an empty drafted batch: imbalance = the whole cost, above ``migrate_ratio``,
+    and every one of them is movable: the balancer must migrate. The second wave joins the running
+    loop only after that (its timing decides nothing asserted here but exact outputs).
+
+    Admission is gated so the loop cannot start on the first request alone: with the requests
+    racing in over gRPC, which long requests shared a batch (and so whether one ever migrated)
+    depended on arrival timing."""
     import asyncio
 
-    from test_coordinator import Harness, _expected
+    from coordinator_harness import Harness, _expected, wait_until
 
-    work = [(f"req-{i}", [3 + i % 9, 5 + (i * 3) % 13], {"max_tokens": 4 if i % 2 else 60, "ignore_eos": True})
-            for i in range(10)]
+    def sampling(is_long: bool) -> dict:
+        return {"max_tokens": 60 if is_long else 4, "ignore_eos": True}
+
+    first = [(f"req-{i}", [3 + i % 9, 5 + (i * 3) % 13], sampling(i % 2 == 0)) for i in range(6)]
+    second = [(f"req-{i}", [3 + i % 9, 5 + (i * 3) % 13], sampling(i % 2 == 0)) for i in range(6, 10)]
 
     async def main():
         async with Harness(mode="psd", max_num_seqs=3, num_speculative_tokens=3, balancer="feedback") as h:
-            results = await asyncio.gather(*(h.generate(rid, p, **s) for rid, p, s in work))
-            for (rid, prompt, sampling), (tokens, reason, _) in zip(work, results):
-                assert reason == "length" and tokens == _expected(prompt, sampling), rid
-            assert h.scheduler.metrics.num_migrations._value.get() >= 1
+            scheduler, gate, layouts = h.scheduler, asyncio.Event(), []
+            assert scheduler.max_num_running == 6  # the first wave is admitted at once
+            admit = scheduler._admit
+
+            async def gated_admit():
+                await gate.wait()
+                await admit()
+                if not layouts and scheduler.running:
+                    layouts.append(sorted(scheduler.batches.batch(i) for i in (0, 1)))
+
+            scheduler._admit = gated_admit
+
+            def num_migrations() -> float:
+                return scheduler.metrics.num_migrations._value.get()
+
+            tasks = []
+            for rid, prompt, params in first:  # FIFO order fixed: each is queued before the next is sent
+                tasks.append(asyncio.create_task(h.generate(rid, prompt, **params)))
+                await wait_until(lambda: rid in scheduler.waiting)
+            gate.set()
+            await wait_until(lambda: num_migrations() >= 1 or all(t.done() for t in tasks))
+            assert layouts == [[["req-0", "req-2", "req-4"], ["req-1", "req-3", "req-5"]]], layouts
+            assert num_migrations() >= 1, "long requests verified against an empty batch: no migration"
+            for rid, prompt, params in second:
+                tasks.append(asyncio.create_task(h.generate(rid, prompt, **params)))
+            results = await asyncio.gather(*tasks)
+            for (rid, prompt, params), (tokens, reason, _) in zip(first + second, results):
+                assert reason == "length" and tokens == _expected(prompt, params), rid
             assert h.num_checked_steps > 0
 
     asyncio.run(main())
