@@ -1,0 +1,125 @@
+"""Admission (prefill) cost of the engines: one prompt per forward vs batched, and cuDNN SDPA.
+
+Times ``TargetWorker.add_requests`` (what the verifier's and drafter's ``AddRequests`` run) for
+batches of ``--num-prompts`` prompts of random lengths in ``[--min-len, --max-len]`` tokens,
+every rep with new lengths (as in service, where every prompt has a length of its own), for:
+
+- ``one_per_forward``: ``max_prefill_tokens = 0`` (one forward per prompt, before the change);
+- ``batched``: ``max_prefill_tokens = --max-prefill-tokens`` (several prompts per forward);
+- ``one_per_forward_cudnn`` (CUDA only, ``--with-cudnn``): one per forward with cuDNN's SDPA
+  allowed on the dynamic path again, as before ``specdec.slot_attention`` left it out.
+
+A time is the host wall time of one ``add_requests`` call ending with a device synchronize; the
+slots are released after each rep. Rep 0 includes first-use costs (allocator growth, kernel
+selection); the table gives every rep. Model weights do not matter for the time: the default
+target is ``random:smollm2-135m`` (**random weights**, SmolLM2-135M's shape). Writes
+``prefill.json`` and ``prefill.md`` under ``--out``.
+
+    python bench/prefill.py --device cuda --dtype bfloat16 --with-cudnn --out "$OUT/prefill"
+    python bench/prefill.py --model random:tiny-llama --num-prompts 3 --num-reps 1 --out /tmp/p
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.cpu_step import write_results  # noqa: E402
+from specdec import slot_attention  # noqa: E402
+from specdec.config import CacheConfig, ModelConfig  # noqa: E402
+from specdec.runner import ModelRunner  # noqa: E402
+from specdec.sampling import SamplingParams  # noqa: E402
+from specdec.worker import TargetWorker  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_adds(worker: TargetWorker, device: str, lengths: list[list[int]], vocab: int, seed: int) -> list[float]:
+    """ms of one ``add_requests`` per rep; ``lengths[rep]`` are that rep's prompt lengths."""
+    rng, times = random.Random(seed), []
+    for rep, rep_lengths in enumerate(lengths):
+        items = [(f"r{rep}-{i}", [rng.randrange(100, vocab) for _ in range(n)], GREEDY)
+                 for i, n in enumerate(rep_lengths)]
+        _sync(device)
+        start = time.perf_counter()
+        worker.add_requests(items)
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+        for request_id, _, _ in items:
+            worker.release(request_id)
+    return times
+
+
+def run_variant(args, budget: int, allow_cudnn: bool, lengths: list[list[int]]) -> list[float]:
+    """Fresh runner (no graph precapture: prefill never uses graphs) and timed adds."""
+    default_backends = slot_attention.DYNAMIC_SDPA_BACKENDS
+    if allow_cudnn:
+        slot_attention.DYNAMIC_SDPA_BACKENDS = [torch.nn.attention.SDPBackend.CUDNN_ATTENTION, *default_backends]
+    try:
+        cfg = ModelConfig(model=args.model, dtype=args.dtype, device=args.device, cuda_graph_precapture=False,
+                          max_prefill_tokens=budget)
+        runner = ModelRunner(cfg, CacheConfig(max_num_seqs=args.num_prompts, max_model_len=args.max_len + 8))
+        return time_adds(TargetWorker(runner, seed=0), args.device, lengths, runner.vocab_size, args.seed)
+    finally:
+        slot_attention.DYNAMIC_SDPA_BACKENDS = default_backends
+
+
+def to_markdown(result: dict) -> str:
+    lines = [f"# Prefill of {result['num_prompts']} new-length prompts per add_requests", "",
+             f"{result['date']}, {result['device_name']}, model `{result['model']}` ({result['dtype']})"
+             f"{' -- RANDOM WEIGHTS' if result['model'].startswith('random:') else ''}; command: "
+             f"`{result['command']}`", "",
+             "| variant | " + " | ".join(f"rep {i} ms" for i in range(result["num_reps"])) + " | tokens per rep |",
+             "|---|" + "---|" * (result["num_reps"] + 1)]
+    for name, times in result["variants"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{t:.1f}" for t in times)
+                     + f" | {', '.join(str(sum(rep)) for rep in result['lengths'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python bench/prefill.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="random:smollm2-135m")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--num-reps", type=int, default=3)
+    parser.add_argument("--min-len", type=int, default=50)
+    parser.add_argument("--max-len", type=int, default=400)
+    parser.add_argument("--max-prefill-tokens", type=int, default=8192, help="the batched variant's budget")
+    parser.add_argument("--with-cudnn", action="store_true", help="CUDA: also time cuDNN SDPA allowed")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True, help="output stem dir")
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    lengths = [[rng.randint(args.min_len, args.max_len) for _ in range(args.num_prompts)] for _ in range(args.num_reps)]
+    variants = {"one_per_forward": run_variant(args, 0, False, lengths),
+                "batched": run_variant(args, args.max_prefill_tokens, False, lengths)}
+    if args.with_cudnn and torch.device(args.device).type == "cuda":
+        variants["one_per_forward_cudnn"] = run_variant(args, 0, True, lengths)
+    is_cuda = torch.device(args.device).type == "cuda"
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "device_name": torch.cuda.get_device_name(args.device) if is_cuda else platform.processor() or "cpu",
+              "command": "python bench/prefill.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts, "num_reps": args.num_reps,
+              "lengths": lengths, "variants": variants, "torch": torch.__version__}
+    write_results(os.path.join(args.out, "prefill"), result, to_markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
