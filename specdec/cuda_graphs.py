@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from specdec.compile import compile_layers
 from specdec.kv_cache import (
     SLOT_METADATA_KWARG, STATIC_K_BUFFER, STATIC_V_BUFFER, SlotKVCache, StaticSlotMetadata,
 )
@@ -43,41 +44,8 @@ from specdec.kv_cache import (
 logger = logging.getLogger(__name__)
 
 MIN_KV_BUCKET = 64
-MIN_RECOMPILE_LIMIT = 64  # dynamo recompiles per code object (shape buckets x model types)
 NUM_WARMUP_RUNS = 2        # eager runs on a side stream before a capture (cuBLAS workspaces)
 NUM_META_COLUMNS = 3       # packed input columns after the tokens: slot, cached length, count
-
-
-def compile_modules(model, device: torch.device) -> int:
-    """Wrap every RMSNorm and MLP submodule in ``torch.compile`` (regional compilation).
-
-    These modules have no layer-dependent Python ints, so dynamo traces one graph per module
-    type and shapes and reuses it for every layer; inductor fuses a norm's ~8 elementwise
-    kernels into one and the MLP's activation and product into one (CUDA: inductor/Triton;
-    other devices: dynamo's ``eager`` backend, which changes nothing numerically).
-
-    Returns:
-        number of modules wrapped.
-    """
-    backend = _compile_backend(device)
-    _raise_recompile_limit()
-    targets = [(parent, name) for parent in model.modules()
-               for name, child in parent.named_children()
-               if type(child).__name__.endswith(("RMSNorm", "MLP"))]
-    for parent, name in targets:
-        setattr(parent, name, torch.compile(getattr(parent, name), backend=backend))
-    return len(targets)
-
-
-def _compile_backend(device: torch.device) -> str:
-    return "inductor" if device.type == "cuda" else "eager"
-
-
-def _raise_recompile_limit() -> None:
-    """Every (batch bucket, tokens, KV bucket) shape may need its own compiled graph."""
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), MIN_RECOMPILE_LIMIT))
 
 
 def attach_cache_buffers(model, cache: SlotKVCache) -> int:
@@ -98,23 +66,6 @@ def attach_cache_buffers(model, cache: SlotKVCache) -> int:
         module.register_buffer(STATIC_K_BUFFER, cache.k[module.layer_idx], persistent=False)
         module.register_buffer(STATIC_V_BUFFER, cache.v[module.layer_idx], persistent=False)
     return len(modules)
-
-
-def compile_layers(model) -> torch.nn.ModuleList:
-    """``torch.compile`` of every decoder layer, for the static path only (``static_forward``
-    swaps them in): a layer reads its cache through its buffers, never through a Python layer
-    index, so one compiled graph per shape serves all layers (CUDA: inductor/Triton; other
-    devices: dynamo's eager backend, numerically unchanged).
-
-    Raises:
-        ValueError: the model has no ``get_decoder().layers``.
-    """
-    layers = getattr(model.get_decoder(), "layers", None)
-    if layers is None:
-        raise ValueError("compile_layers needs a model whose get_decoder() has .layers")
-    _raise_recompile_limit()
-    backend = _compile_backend(next(model.parameters()).device)
-    return torch.nn.ModuleList(torch.compile(layer, backend=backend) for layer in layers)
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -184,7 +135,7 @@ def static_forward(model, cache: SlotKVCache, packed: torch.Tensor, num_tokens: 
     return out.logits
 
 
-_compile_layers_of = compile_layers
+_compile_layers_of = compile_layers   # StaticStepper.__init__ has an argument of that name
 
 
 class StaticStepper:

@@ -12,7 +12,8 @@ import inspect
 import torch
 
 from specdec.config import CacheConfig, ModelConfig
-from specdec.cuda_graphs import StaticStepper, compile_modules
+from specdec.compile import compile_modules
+from specdec.cuda_graphs import StaticStepper
 from specdec.errors import CapacityError
 from specdec.kv_cache import SLOT_METADATA_KWARG, SlotKVCache
 from specdec.loader import load_model, use_slot_attention
