@@ -75,7 +75,8 @@ def services(model_dirs, tmp_path_factory):
     target, draft = model_dirs
     logs = tmp_path_factory.mktemp("logs")
     common = ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", "128", "--num-threads", "1",
-              "--data-plane", "dist", "--dist-port", str(free_port()), "--grace-s", "2"]
+              "--data-plane", "dist", "--dist-port", str(free_port()), "--grace-s", "2",
+              "--max-prefill-tokens", "4096"]   # batched prefill, as on CUDA (CPU default: one per forward)
     ports = {"drafter": free_port(), "verifier": free_port()}
     argv = {
         "verifier": ["-m", "verifier_svc", "--model", target, "--port", str(ports["verifier"])],
@@ -219,6 +220,15 @@ def test_errors_map_to_status_codes(services):
         assert _code(lambda: stub.AddRequests(engine_pb2.AddRequestsRequest(seqs=too_many))) == \
             grpc.StatusCode.RESOURCE_EXHAUSTED
         assert stub.GetInfo(engine_pb2.EngineInfoRequest()).num_free_slots == MAX_NUM_SEQS  # all or none
+        one_too_long = [engine_pb2.SeqInit(request_id="ok-1", prompt_token_ids=[3, 4]),
+                        engine_pb2.SeqInit(request_id="long-1", prompt_token_ids=[3] * 129)]
+        assert _code(lambda: stub.AddRequests(engine_pb2.AddRequestsRequest(seqs=one_too_long))) == \
+            grpc.StatusCode.RESOURCE_EXHAUSTED
+        repeated = [engine_pb2.SeqInit(request_id="twice", prompt_token_ids=[3, 4])] * 2
+        assert _code(lambda: stub.AddRequests(engine_pb2.AddRequestsRequest(seqs=repeated))) == \
+            grpc.StatusCode.INVALID_ARGUMENT
+        info = stub.GetInfo(engine_pb2.EngineInfoRequest())
+        assert info.num_free_slots == MAX_NUM_SEQS  # a batched prefill that fails adds nothing
     seqs = seq_inits("bad")
     verifier.AddRequests(engine_pb2.AddRequestsRequest(seqs=seqs))
     ids = [s.request_id for s in seqs]
