@@ -47,6 +47,16 @@ def format_table(by_mode: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def format_identity(by_mode: dict[str, dict]) -> str:
+    """One line: how many greedy outputs of each mode equal ``ar``'s, or why none were compared."""
+    counts = {mode: m["num_outputs_equal_to_ar"] for mode, m in by_mode.items()
+              if mode != "ar" and "num_outputs_equal_to_ar" in m}
+    if not counts:
+        return "outputs not compared with ar's (needs ar among the modes and temperature 0)"
+    return "greedy outputs equal to ar's: " + ", ".join(
+        f"{mode} {num}/{by_mode[mode]['num_requests']}" for mode, num in counts.items())
+
+
 def _num_equal_outputs(records: list[dict], reference: list[dict]) -> int:
     return sum(a["token_ids"] == b["token_ids"] for a, b in zip(records, reference))
 
@@ -79,5 +89,6 @@ def run_demo(args, stack_cfgs: list[StackConfig]) -> int:
         print(f"\n*** {config['benchmark_only']}: acceptance is fixed, outputs are not the target's ***")
     write_json(os.path.join(args.out_dir, "results.json"), {"config": config, "modes": by_mode})
     print("\n" + format_table(by_mode))
+    print(format_identity(by_mode))
     print(f"\nresults: {os.path.join(args.out_dir, 'results.json')}")
     return 0

@@ -147,8 +147,8 @@ def run_prompts(cfg: PromptsConfig) -> tuple[dict, list[GenerationResult]]:
 
 def format_metrics(metrics: dict) -> str:
     """Human-readable lines of ``summarize``'s output."""
-    return "\n".join(f"{key:>24}: {value:.3f}" if isinstance(value, float) else f"{key:>24}: {value}"
-                     for key, value in metrics.items())
+    return "\n".join(f"{key:>24}: {'-' if math.isnan(value) else f'{value:.3f}'}" if isinstance(value, float)
+                     else f"{key:>24}: {value}" for key, value in metrics.items())
 
 
 def _strict(value):

@@ -12,8 +12,8 @@ import pytest
 
 from minedraft import cli
 from minedraft.client import GenerationResult, build_request
-from minedraft.demo import format_table
-from minedraft.prompts import load_prompts, percentile, summarize
+from minedraft.demo import format_identity, format_table
+from minedraft.prompts import format_metrics, load_prompts, percentile, summarize
 from minedraft.stack import StackConfig, build_service_specs
 from minedraft.v1 import common_pb2
 
@@ -84,6 +84,15 @@ def test_demo_table_has_ratios():
                           "psd": {"output_tokens_per_s": 15.0, "mean_acceptance_length": 2.5, "ttft_ms_p50": 1.0,
                                   "latency_ms_p50": 2.0, "latency_ms_p99": 3.0}})
     assert "1.50x" in table.splitlines()[-1]
+
+
+def test_demo_states_output_identity_and_prints_no_nan():
+    by_mode = {"ar": {"num_requests": 4, "num_outputs_equal_to_ar": 4},
+               "sd": {"num_requests": 4, "num_outputs_equal_to_ar": 4},
+               "psd": {"num_requests": 4, "num_outputs_equal_to_ar": 3}}
+    assert format_identity(by_mode) == "greedy outputs equal to ar's: sd 4/4, psd 3/4"
+    assert "not compared" in format_identity({"sd": {"num_requests": 4}})
+    assert "nan" not in format_metrics({"acceptance_rate": float("nan"), "x": 1.5}).lower()
 
 
 def test_build_request_needs_exactly_one_input():
