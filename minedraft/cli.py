@@ -49,6 +49,9 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
                    help="fixed: k = --k; adaptive: k in [1, --k] toward t_draft = t_verify (coordinator.adaptive)")
     p.add_argument("--balancer", choices=BALANCERS, default="paper",
                    help="paper: MineDraft's assign(); feedback: keep balancing PSD batches by step cost")
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="engines prefill prompts admitted together in one forward up to this many padded "
+                        "tokens (0: one per forward; default 8192 on cuda, 0 on cpu)")
 
 
 def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
@@ -64,7 +67,7 @@ def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
                        coordinator_port=args.port + 1, drafter_port=args.port + 2, verifier_port=args.port + 3,
                        runs_dir=args.runs_dir, startup_timeout_s=args.startup_timeout,
                        metrics_port=args.metrics_port, step_log=args.step_log, k_policy=args.k_policy,
-                       balancer=args.balancer)
+                       balancer=args.balancer, max_prefill_tokens=args.max_prefill_tokens)
 
 
 def add_prompts_args(p: argparse.ArgumentParser) -> None:

@@ -67,6 +67,9 @@ class StackConfig:
             output distribution. None (default) = off.
         k_policy: the coordinator's ``--k-policy`` (``fixed`` or ``adaptive``).
         balancer: the coordinator's ``--balancer`` (``paper`` or ``feedback``).
+        max_prefill_tokens: the engines' ``--max-prefill-tokens`` (prompts admitted together are
+            prefilled in one forward up to this many padded tokens; 0 = one per forward). None:
+            the engines' default (8192 on CUDA, 0 on CPU; ``specdec.config.ModelConfig``).
     """
 
     mode: str = "psd"
@@ -98,6 +101,7 @@ class StackConfig:
     bench_fixed_acceptance: float | None = None
     k_policy: str = "fixed"
     balancer: str = "paper"
+    max_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         checks = {
@@ -114,6 +118,8 @@ class StackConfig:
             "stop_timeout_s": (self.stop_timeout_s > 0, "must be > 0"),
             "metrics_port": (0 <= self.metrics_port <= 65535, "must be in [0, 65535] (0 = off)"),
             "http_port": (0 <= self.http_port <= 65535, "must be in [0, 65535] (0 = off)"),
+            "max_prefill_tokens": (self.max_prefill_tokens is None or self.max_prefill_tokens >= 0,
+                                   "must be >= 0 (0 = one prompt per forward)"),
         }
         for name in ("gateway_port", "coordinator_port", "drafter_port", "verifier_port", "dist_port"):
             checks[name] = (0 < getattr(self, name) <= 65535, "must be in [1, 65535]")
@@ -206,7 +212,8 @@ def _engine_args(cfg: StackConfig, port: int, num_threads: int) -> list[str]:
     return ["--dtype", cfg.dtype, "--max-num-seqs", str(cfg.num_engine_slots),
             "--max-model-len", str(cfg.max_model_len), "--num-threads", str(num_threads),
             "--host", cfg.host, "--port", str(port), "--data-plane", cfg.data_plane,
-            "--dist-port", str(cfg.dist_port), "--ipc-name", f"stack-{cfg.dist_port}"]
+            "--dist-port", str(cfg.dist_port), "--ipc-name", f"stack-{cfg.dist_port}",
+            *(["--max-prefill-tokens", str(cfg.max_prefill_tokens)] if cfg.max_prefill_tokens is not None else [])]
 
 
 def verifier_spec(cfg: StackConfig, model_dir: str) -> ServiceSpec:
