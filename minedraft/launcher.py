@@ -258,6 +258,19 @@ def restart_exited(stack: Stack, restarts: dict[str, int], log=print) -> list[st
     return restarted
 
 
+def _restart_or_raise(stack: Stack, restarts: dict[str, int], log) -> None:
+    """One supervision pass: a failed restart is logged and retried on the next pass (restarts are
+    counted, so a service that keeps dying ends ``minedraft up``)."""
+    try:
+        restart_exited(stack, restarts, log)
+    except StackError as exc:
+        if any(s.process.poll() is not None and (s.spec.name not in RESTARTABLE or
+                                                 restarts.get(s.spec.name, 0) >= MAX_RESTARTS)
+               for s in stack.services):
+            raise
+        log(f"warning: restart failed, retrying: {str(exc).splitlines()[0]}")
+
+
 def run_until_signal(cfg: StackConfig, log=print) -> int:
     """``minedraft up``: start the stack, serve until SIGINT/SIGTERM or a service that cannot be
     restarted dies (``restart_exited``), stop it.
