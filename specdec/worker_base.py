@@ -9,6 +9,7 @@ at ``add_request`` time.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -111,7 +112,8 @@ class Worker:
             CapacityError: no free slot, or a prompt too long for ``max_model_len``.
         """
         ids = [request_id for request_id, _, _ in items]
-        duplicates = sorted({r for r in ids if ids.count(r) > 1 or r in self._requests})
+        counts = Counter(ids)
+        duplicates = sorted(r for r, n in counts.items() if n > 1 or r in self._requests)
         if duplicates:
             raise ValueError(f"request ids are already active or repeated: {duplicates}")
         if any(not prompt for _, prompt, _ in items):
