@@ -15,12 +15,14 @@ API, following vLLM's OpenAI server (https://docs.vllm.ai/en/latest/serving/open
 - Values valid JSON can carry but the protobuf wire cannot are refused with 400 naming the field
   (pydantic, before any translation): integers outside the int32 (int64 for ``seed``) proto
   field, and text holding a lone UTF-16 surrogate (e.g. the JSON escape ``"\ud800"``).
+- JSON ``true`` / ``false`` is refused where a number is expected (pydantic's lax mode would read
+  it as 1 / 0): ``"max_tokens": true`` and ``"prompt": [true, false]`` are 400 naming the field.
 """
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from minedraft.v1 import common_pb2, generate_pb2
 
@@ -40,9 +42,17 @@ def _utf8_text(text: str) -> str:
     return text
 
 
+def _not_bool(value):
+    """``value`` unchanged; ValueError for a bool (JSON ``true`` would pass pydantic's lax int / float as 1)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {str(value).lower()}")
+    return value
+
+
 Text = Annotated[str, AfterValidator(_utf8_text)]
-Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
-Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Int32 = Annotated[int, BeforeValidator(_not_bool), Field(ge=INT32_MIN, le=INT32_MAX)]
+Int64 = Annotated[int, BeforeValidator(_not_bool), Field(ge=INT64_MIN, le=INT64_MAX)]
+Number = Annotated[float, BeforeValidator(_not_bool)]
 
 
 class _Strict(BaseModel):
@@ -56,10 +66,10 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     model: Text | None = None
     max_tokens: Int32 | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
     top_k: Int32 | None = None
-    min_p: float | None = None
+    min_p: Number | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[Int32] | None = None
     ignore_eos: bool = False
@@ -69,8 +79,8 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     n: Int32 = 1
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
 
 
 class TextPart(_Strict):

@@ -1,0 +1,67 @@
+"""HTTP API body validation (found by a break-it review): an in-process gateway (GatewayServicer +
+HttpServer, tests/test_http_robustness.py) in front of the fake coordinator of tests/gateway_harness.py.
+
+Checked: JSON ``true`` / ``false`` where a number is expected (every integer and float field, token
+ids in ``prompt`` and ``stop_token_ids``) is 400 naming the field, not read as 1 / 0.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway_harness import FakeCoordinatorThread
+from test_http_robustness import InProcessHttpGateway, _post
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def gateway(tokenizer_dir):
+    """(fake coordinator servicer, HTTP port)."""
+    fake = FakeCoordinatorThread()
+    fake.set_serving()
+    gateway = InProcessHttpGateway(tokenizer_dir, fake.port)
+    try:
+        yield fake.servicer, gateway.port
+    finally:
+        gateway.stop()
+        fake.stop()
+
+
+@pytest.fixture
+def port(gateway, tokenizer) -> int:
+    servicer, port = gateway
+    servicer.script, servicer.step_delay_s, servicer.error = [tokenizer.encode("ok", add_special_tokens=False)], 0.0, None
+    return port
+
+
+def _assert_400(port: int, route: str, body: dict, param: str) -> dict:
+    status, response = _post(port, f"/v1/{route}", json.dumps(body))
+    assert status == 400, response
+    error = response["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", response
+    assert error["message"].startswith(param), response
+    return error
+
+
+BOOLS = [  # (route, body, OpenAI param): each was served with true read as 1 (false as 0)
+    *[("completions", {"prompt": "hi", field: True}, field)
+      for field in ("max_tokens", "n", "seed", "top_k", "logprobs", "temperature", "top_p", "min_p",
+                    "presence_penalty", "frequency_penalty")],
+    ("completions", {"prompt": "hi", "top_p": False}, "top_p"),
+    ("completions", {"prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids"),
+    ("completions", {"prompt": [True, False]}, "prompt"),
+    ("completions", {"prompt": [[True]]}, "prompt"),
+    *[("chat/completions", {"messages": CHAT, "logprobs": True, field: True}, field)
+      for field in ("max_completion_tokens", "max_tokens", "top_logprobs", "temperature", "seed", "n")],
+]
+
+
+@pytest.mark.parametrize("route,body,param", BOOLS, ids=[f"{r}-{p}-{i}" for i, (r, _, p) in enumerate(BOOLS)])
+def test_a_bool_where_a_number_is_expected_is_400_naming_the_field(port, route, body, param):
+    error = _assert_400(port, route, body, param)
+    if param != "prompt":  # not a coincidental 400 (penalties not served, top_p 0)
+        assert "expected a number, got " in error["message"], error
+    status, response = _post(port, "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2, "top_p": 1}))
+    assert status == 200 and response["choices"][0]["text"] == "ok"  # numbers still pass (int for a float too)
