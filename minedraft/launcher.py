@@ -6,11 +6,14 @@ to their own core with one torch thread each (DESIGN.md §8: the PSD overlap exi
 engine owns a core), and wait until each reports SERVING on grpc.health.v1. A child that dies
 during start-up has its log tail printed and the launch fails (``StackError``) after every
 other child is stopped. After start-up a dead drafter or coordinator is restarted on its port
-(``restart_exited``, at most ``MAX_RESTARTS`` times each): meanwhile the coordinator serves on the
-verifier alone (``ar`` fallback, coordinator.fallback) or the gateway answers UNAVAILABLE, and
-both re-sync when it is back. A dead verifier or gateway ends ``minedraft up`` (the verifier
-holds every request's KV cache). Shutdown (Ctrl-C / SIGTERM / such a death): ``Stack.stop``
-drains front to back (gateway, coordinator, engines). Children
+(``restart_exited``): meanwhile the coordinator serves on the verifier alone (``ar`` fallback,
+coordinator.fallback) or the gateway answers UNAVAILABLE, and both re-sync when it is back. The
+restart budget is for crash loops, not a lifetime: at most ``MAX_RESTARTS`` restarts in a row, and
+a service that then stays up ``STABLE_S`` gets its full budget back (like Kubernetes' crash-loop
+back-off reset). A drafter out of restarts stays down (a warning says so) and the stack keeps
+serving without speculation; a coordinator out of restarts, or a dead verifier or gateway, ends
+``minedraft up`` (the verifier holds every request's KV cache). Shutdown (Ctrl-C / SIGTERM /
+such a death): ``Stack.stop`` drains front to back (gateway, coordinator, engines). Children
 also get PR_SET_PDEATHSIG, so they are killed if the launcher itself is killed: no orphans.
 """
 from __future__ import annotations
@@ -25,14 +28,15 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from minedraft.capacity import GIB, check_fits, model_footprint
 from minedraft.child_exec import NO_CPUS
-from minedraft.stack import ServiceSpec, StackConfig, build_service_specs, resolve_draft_dir
+from minedraft.stack import ServiceSpec, StackConfig, build_service_specs, check_memory
 
 POLL_S = 0.25
 NUM_LOG_TAIL_LINES = 40
 RESTARTABLE = ("drafter", "coordinator")  # their state is rebuilt after a restart (see the module docstring)
-MAX_RESTARTS = 5  # per service, over the life of ``minedraft up``
+OPTIONAL = ("drafter",)  # the stack serves without it (``ar`` fallback) once it is out of restarts
+MAX_RESTARTS = 5  # per service, in a row (see STABLE_S)
+STABLE_S = 600.0  # a service up this long since its (re)start has its restart count reset
 
 
 class StackError(RuntimeError):
@@ -54,28 +58,6 @@ def resolve_model_dir(model: str, timeout_s: float = 900.0) -> str:
     if proc.returncode != 0:
         raise StackError(f"cannot resolve model {model!r}: {proc.stderr.strip()}")
     return proc.stdout.strip().splitlines()[-1]
-
-
-def check_memory(cfg: StackConfig, model_dir: str, log=print) -> None:
-    """Count target and draft weights plus both engines' KV caches (2m slots of ``max_model_len``)
-    against available memory before anything starts (``minedraft.capacity``). Models whose files
-    cannot be read are left to their service to report.
-
-    Raises:
-        InsufficientMemoryError: the configuration cannot fit.
-    """
-    if cfg.placement.is_cuda:  # weights and KV caches live on the GPUs, not in this host's memory
-        log("memory check skipped: engines on cuda")
-        return
-    dirs = [("target", model_dir)] + ([("draft", resolve_draft_dir(cfg, model_dir))] if cfg.has_drafter else [])
-    try:
-        footprints = [model_footprint(name, path, cfg.dtype, cfg.num_engine_slots, cfg.max_model_len)
-                      for name, path in dirs]
-    except (OSError, KeyError, ValueError) as exc:
-        log(f"memory check skipped: {exc}")
-        return
-    total = check_fits(footprints)
-    log(f"memory: {total / GIB:.2f} GiB for weights and KV caches ({', '.join(name for name, _ in dirs)})")
 
 
 def health_status(address: str, timeout_s: float = 2.0) -> int | None:
@@ -103,6 +85,8 @@ class RunningService:
     process: subprocess.Popen
     log_path: str
     is_serving: bool = False
+    is_given_up: bool = False  # an ``OPTIONAL`` service out of restarts: left down, not watched
+    started_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -154,16 +138,21 @@ class Stack:
 
     def _wait_serving(self, log) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
-        while not all(s.is_serving for s in self.services):
+        while not all(s.is_serving for s in self.watched):
             self.check_alive()
             if time.monotonic() > deadline:
-                waiting = [s.spec.name for s in self.services if not s.is_serving]
+                waiting = [s.spec.name for s in self.watched if not s.is_serving]
                 raise StackError(f"not SERVING within {self.cfg.startup_timeout_s:.0f} s: {waiting}")
-            for service in self.services:
+            for service in self.watched:
                 if not service.is_serving and health_status(service.spec.address) == health_pb2.HealthCheckResponse.SERVING:
                     service.is_serving = True
                     log(f"{service.spec.name} SERVING on {service.spec.address}")
             time.sleep(POLL_S)
+
+    @property
+    def watched(self) -> list[RunningService]:
+        """The services that must be up: all but those given up (``restart_exited``)."""
+        return [s for s in self.services if not s.is_given_up]
 
     def service(self, name: str) -> RunningService:
         """The running service called ``name`` ("verifier", "drafter", "coordinator", "gateway").
@@ -202,8 +191,8 @@ class Stack:
         self._wait_serving(log)
 
     def check_alive(self) -> None:
-        """Raises StackError (with the log tail) when a service has exited."""
-        for service in self.services:
+        """Raises StackError (with the log tail) when a service that must be up has exited."""
+        for service in self.watched:
             code = service.process.poll()
             if code is not None:
                 raise StackError(f"{service.spec.name} exited with code {code}; last lines of "
@@ -235,21 +224,28 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
 
 def restart_exited(stack: Stack, restarts: dict[str, int], log=print) -> list[str]:
     """Restart every exited service of ``stack`` named in ``RESTARTABLE`` (at most ``MAX_RESTARTS``
-    times each, counted in ``restarts``) and wait until it is SERVING. Returns the names restarted.
-    Call it from the thread that started the stack (``Stack.restart``).
+    times in a row each, counted in ``restarts``; reset after ``STABLE_S`` up) and wait until it is
+    SERVING; an ``OPTIONAL`` one out of restarts is given up instead (left down, with a warning).
+    Returns the names restarted. Call it from the thread that started the stack (``Stack.restart``).
 
     Raises:
-        StackError: a service that is not restartable (verifier, gateway) or out of restarts has
-            exited, or a restart failed (another one is tried on the next call while restarts last).
+        StackError: a service that is not restartable (verifier, gateway) or not optional and out of
+            restarts has exited, or a restart failed (retried on the next call while restarts last).
     """
     restarted = []
     for service in list(stack.services):
-        code = service.process.poll()
-        if code is None:
+        name, code = service.spec.name, service.process.poll()
+        if code is None and time.monotonic() - service.started_at >= STABLE_S:
+            restarts.pop(name, None)
+        if code is None or service.is_given_up:
             continue
-        name = service.spec.name
-        if name not in RESTARTABLE or restarts.get(name, 0) >= MAX_RESTARTS:
+        if _is_fatal(service, restarts):
             stack.check_alive()  # raises with the log tail
+        if restarts.get(name, 0) >= MAX_RESTARTS:
+            service.is_given_up = True
+            log(f"warning: {name} gave up after {MAX_RESTARTS} restarts; serving without speculation "
+                f"(exit code {code}, log {service.log_path})")
+            continue
         restarts[name] = restarts.get(name, 0) + 1
         log(f"warning: {name} exited with code {code}; restart {restarts[name]}/{MAX_RESTARTS} "
             f"(log {service.log_path})")
@@ -258,15 +254,22 @@ def restart_exited(stack: Stack, restarts: dict[str, int], log=print) -> list[st
     return restarted
 
 
+def _is_fatal(service: RunningService, restarts: dict[str, int]) -> bool:
+    """Whether ``service`` exited and ``minedraft up`` cannot go on without it: not restartable,
+    or out of restarts and not optional."""
+    name = service.spec.name
+    is_out = restarts.get(name, 0) >= MAX_RESTARTS
+    return (service.process.poll() is not None and not service.is_given_up
+            and (name not in RESTARTABLE or (is_out and name not in OPTIONAL)))
+
+
 def _restart_or_raise(stack: Stack, restarts: dict[str, int], log) -> None:
     """One supervision pass: a failed restart is logged and retried on the next pass (restarts are
-    counted, so a service that keeps dying ends ``minedraft up``)."""
+    counted, so a service that keeps dying is given up or ends ``minedraft up``)."""
     try:
         restart_exited(stack, restarts, log)
     except StackError as exc:
-        if any(s.process.poll() is not None and (s.spec.name not in RESTARTABLE or
-                                                 restarts.get(s.spec.name, 0) >= MAX_RESTARTS)
-               for s in stack.services):
+        if any(_is_fatal(s, restarts) for s in stack.services):
             raise
         log(f"warning: restart failed, retrying: {str(exc).splitlines()[0]}")
 
