@@ -52,6 +52,14 @@ class DrafterLink:
         """The drafter is used, unavailable, and the next probe time has come."""
         return self.is_used and not self.is_available and time.monotonic() >= self._next_probe
 
+    @property
+    def probe_wait_s(self) -> float | None:
+        """Seconds until the next probe is due (0 when due), or None when none is pending: how
+        long the idle loop may sleep before it must probe."""
+        if not self.is_used or self.is_available:
+            return None
+        return max(self._next_probe - time.monotonic(), 0.0)
+
     def note_released(self, request_ids: Iterable[str]) -> None:
         """Remember ids released while the drafter is away (released there once it is back)."""
         if self.is_used and not self.is_available:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 
 import grpc
@@ -159,8 +160,14 @@ class Scheduler(StepLoop):
         if self.running:
             await self.step()
         elif not self.waiting and not self._to_release:
-            self._wakeup.clear()
-            await self._wakeup.wait()
+            await self._wait_for_work()
+
+    async def _wait_for_work(self) -> None:
+        """Sleep until a request arrives; while the drafter is away, wake up when its probe is due
+        (so it is noticed back, ``drafter_available`` included, without a request)."""
+        self._wakeup.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), self.drafter_link.probe_wait_s)
 
     # ------------------------------------------------------------------ sync and admission
     async def _sync(self) -> None:
@@ -171,6 +178,7 @@ class Scheduler(StepLoop):
             await self._release(ids)
         if self.drafter_link.is_due:
             await self.drafter_link.probe(self.engines, self._speculative(list(self.running.values())))
+        self.metrics.is_drafter_available.set(int(self.is_drafter_available))  # also when idle
 
     async def _release(self, ids: list[str]) -> None:
         stubs = [self.engines.verifier] + ([self.engines.drafter] if self.is_drafter_available else [])
