@@ -115,6 +115,14 @@ def _body_error(error: dict) -> tuple[str, str | None]:
     return f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid')}", loc[0] if loc else None
 
 
+def _reported_error(errors: list[dict]) -> dict:
+    """The body error to report: the first one, except that for a field a union type validates
+    (``prompt``) the first value error of this field's branches (``expected a number, got true``)
+    says more than the first branch's type mismatch (``Input should be a valid string``)."""
+    field = errors[0].get("loc", ())[:2]
+    return next((e for e in errors if e.get("type") == "value_error" and e.get("loc", ())[:2] == field), errors[0])
+
+
 def _stream_error(error) -> tuple[int, str]:
     code = _CODE_OF_VALUE.get(error.code, grpc.StatusCode.INTERNAL)
     return _STATUS_OF_CODE.get(code, 500), error.message
@@ -242,7 +250,7 @@ def build_app(frontend: OpenAIFrontend) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid_body(request: Request, exc: RequestValidationError):
-        return error_response(400, *_body_error(exc.errors()[0]))
+        return error_response(400, *_body_error(_reported_error(exc.errors())))
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, exc: HTTPException):
