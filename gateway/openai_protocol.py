@@ -89,9 +89,12 @@ class TextPart(_Strict):
 
 
 class ChatMessage(BaseModel):
+    """One chat message; the role is checked by ``gateway.validation`` (``CHAT_ROLES``)."""
+
     model_config = ConfigDict(extra="ignore")  # e.g. "name"; tool fields are not served
     role: Text
     content: Text | list[TextPart] | None = None
+    tool_calls: list | None = None  # only read to allow null content, as OpenAI does; not rendered
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -168,15 +171,25 @@ def completion_to_generate(body: CompletionRequest, request_id: str) -> generate
     return request
 
 
+def _check_contents(messages: list[ChatMessage]) -> None:
+    """Null content is valid in OpenAI only for an assistant message with tool calls."""
+    for i, message in enumerate(messages):
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            raise InvalidRequestError(f"messages[{i}].content",
+                                      "must not be null (null only in an assistant message with tool_calls)")
+
+
 def chat_to_generate(body: ChatCompletionRequest, request_id: str) -> generate_pb2.GenerateRequest:
     """The public GenerateRequest of a chat completions body (messages rendered by the gateway's
     chat template). ``max_completion_tokens`` wins over the deprecated ``max_tokens``.
 
     Raises:
-        InvalidRequestError: ``top_logprobs`` without ``logprobs``, or an unserved field.
+        InvalidRequestError: ``top_logprobs`` without ``logprobs``, null message content (but in an
+            assistant message with tool calls), or an unserved field.
     """
     if body.top_logprobs and not body.logprobs:
         raise InvalidRequestError("top_logprobs", "requires logprobs: true")
+    _check_contents(body.messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     messages = generate_pb2.ChatMessages(
         messages=[generate_pb2.ChatMessage(role=m.role, content=m.text()) for m in body.messages])

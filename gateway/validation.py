@@ -10,6 +10,9 @@ Defaults and proto3 conventions (a scalar left unset reads 0 on the wire):
   like vLLM's OpenAI server, which fills the remaining context, capped by the gateway's
   ``--max-default-tokens`` so an unbounded request cannot hold a slot for the whole context.
 - ``n`` 0 (unset) = 1; n > 1 is refused (one sample per request is served).
+- ``messages[i].role`` is one of ``CHAT_ROLES``: the chat template renders role and content only,
+  so ``developer`` (unknown to most templates), ``tool`` (needs tool_call_id; tools are not
+  served) and any other role are refused.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ TOP_K_OFF = -1
 TOP_P_OFF = 1.0
 NUM_SAMPLES_SERVED = 1
 MAX_TOP_LOGPROBS = 20
+CHAT_ROLES = ("system", "user", "assistant")
 PROMPT_BYTES_SLACK = 2  # a tokenizer's normalizer (e.g. NFC) may shrink text before it is split
 
 
@@ -95,8 +99,9 @@ def _tokenize_input(request: generate_pb2.GenerateRequest, tokenizer: PromptToke
         if not messages:
             raise InvalidRequestError("messages", "must hold at least one message")
         for i, message in enumerate(messages):
-            if not message.role:
-                raise InvalidRequestError(f"messages[{i}].role", "must not be empty")
+            if message.role not in CHAT_ROLES:
+                raise InvalidRequestError(f"messages[{i}].role",
+                                          f"must be one of {', '.join(CHAT_ROLES)}; got {message.role!r}")
         try:
             return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages])
         except Exception as exc:  # jinja template errors (e.g. role order) are the caller's

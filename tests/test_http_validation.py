@@ -4,6 +4,9 @@ HttpServer, tests/test_http_robustness.py) in front of the fake coordinator of t
 Checked: JSON ``true`` / ``false`` where a number is expected (every integer and float field, token
 ids in ``prompt`` and ``stop_token_ids``) is 400 naming the field, not read as 1 / 0; for ``prompt``
 (a union of string and token-id types) the message says so rather than "should be a valid string".
+Chat messages: a role the chat template cannot render (anything but system, user, assistant) is 400
+naming ``messages[i].role``; null content is 400 naming ``messages[i].content`` but in an assistant
+message with tool calls (as in OpenAI); content as a list of text parts is joined.
 """
 from __future__ import annotations
 
@@ -65,3 +68,40 @@ def test_a_bool_where_a_number_is_expected_is_400_naming_the_field(port, route, 
     assert "expected a number, got " in error["message"], error  # not a coincidental 400 (penalty, top_p 0)
     status, response = _post(port, "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2, "top_p": 1}))
     assert status == 200 and response["choices"][0]["text"] == "ok"  # numbers still pass (int for a float too)
+
+
+def _chat(*messages: dict) -> dict:
+    return {"messages": list(messages), "max_tokens": 2}
+
+
+ASSISTANT = {"role": "assistant", "content": "hello"}
+BAD_MESSAGES = [  # (body, OpenAI param): each was served
+    (_chat({"role": "wizard", "content": "hi"}), "messages[0].role"),
+    (_chat(CHAT[0], ASSISTANT, {"role": "tool", "content": "42"}), "messages[2].role"),
+    (_chat({"role": "developer", "content": "be brief"}, CHAT[0]), "messages[0].role"),
+    (_chat({"role": "User", "content": "hi"}), "messages[0].role"),
+    (_chat({"role": "user", "content": None}), "messages[0].content"),
+    (_chat({"role": "user"}), "messages[0].content"),
+    (_chat({"role": "system", "content": None}, CHAT[0]), "messages[0].content"),
+    (_chat(CHAT[0], {"role": "assistant", "content": None}, CHAT[0]), "messages[1].content"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_MESSAGES, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD_MESSAGES)])
+def test_bad_chat_message_is_400_naming_it(port, body, param):
+    _assert_400(port, "chat/completions", body, param)
+
+
+def test_served_chat_messages(gateway, port, tokenizer):
+    fake, _ = gateway
+    tool_call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for body in (_chat({"role": "system", "content": "be brief"}, CHAT[0], ASSISTANT, CHAT[0]),
+                 _chat(CHAT[0], {"role": "assistant", "content": None, "tool_calls": [tool_call]}, CHAT[0])):
+        status, response = _post(port, "/v1/chat/completions", json.dumps(body))
+        assert status == 200 and response["choices"][0]["message"]["content"] == "ok", response
+    parts = [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]
+    status, _ = _post(port, "/v1/chat/completions", json.dumps(_chat({"role": "user", "content": parts})))
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
+                                             tokenize=False)
+    assert status == 200 and list(fake.requests[-1].prompt_token_ids) == tokenizer.encode(rendered,
+                                                                                          add_special_tokens=False)
