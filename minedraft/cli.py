@@ -14,6 +14,11 @@ from minedraft.stack import (BALANCERS, DATA_PLANES, DEFAULT_TARGET, K_POLICIES,
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 DEFAULT_PROMPTS = "../shared/data/spec_bench/question.jsonl"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell convention
+EXIT_FAILED = 1  # the gateway failed the request (any gRPC error but INVALID_ARGUMENT)
+EXIT_INVALID = 2  # bad input: a flag value, or the gateway answered INVALID_ARGUMENT
+GENERATE_EPILOG = ("exit status: 0 done; 2 the gateway refused the request (INVALID_ARGUMENT, e.g. a prompt "
+                   "longer than max_model_len); 1 any other gRPC error (e.g. UNAVAILABLE: no gateway at "
+                   "--gateway), printed as 'error: <status code>: <details>'")
 
 
 def add_stack_args(p: argparse.ArgumentParser) -> None:
@@ -87,18 +92,33 @@ def _cmd_up(args) -> int:
 
 
 def _cmd_generate(args) -> int:
-    from minedraft.client import MineDraftClient
+    """Streams the answer to stdout; a gRPC error is one line on stderr (see ``GENERATE_EPILOG``)."""
+    import grpc
+
+    from minedraft.client import GenerationError, MineDraftClient
 
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, stop=args.stop)
     if args.chat:
         kwargs["messages"] = [{"role": "user", "content": args.prompt}]
     else:
         kwargs["prompt"] = args.prompt
-    with MineDraftClient(args.gateway) as client:
-        for delta in client.stream_text(**kwargs):
-            print(delta, end="", flush=True)
-    print()
+    try:
+        with MineDraftClient(args.gateway) as client:
+            for delta in client.stream_text(**kwargs):
+                print(delta, end="", flush=True)
+    except grpc.RpcError as exc:  # the call's status, e.g. INVALID_ARGUMENT or UNAVAILABLE
+        return _generate_failed(exc.code().name, exc.details())
+    except GenerationError as exc:  # an error inside the stream, e.g. RESOURCE_EXHAUSTED
+        return _generate_failed(exc.code_name, exc.message)
+    finally:
+        print()
     return 0
+
+
+def _generate_failed(code_name: str, details: str | None) -> int:
+    one_line = (details or "").replace("\n", " ")
+    print(f"error: {code_name}: {one_line}", file=sys.stderr)
+    return EXIT_INVALID if code_name == "INVALID_ARGUMENT" else EXIT_FAILED
 
 
 def _cmd_prompts(args) -> int:
@@ -140,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start verifier, drafter, coordinator, gateway; run until Ctrl-C")
     up.add_argument("--mode", choices=MODES, default="psd", help="ar, sd, psd (MineDraft) or auto (per step)")
     add_stack_args(up)
-    gen = sub.add_parser("generate", help="stream one answer from a running stack")
+    gen = sub.add_parser("generate", help="stream one answer from a running stack", epilog=GENERATE_EPILOG)
     gen.add_argument("prompt")
     gen.add_argument("--gateway", default=DEFAULT_GATEWAY)
     gen.add_argument("--max-tokens", type=int, default=128)

@@ -35,6 +35,12 @@ class GenerationError(RuntimeError):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(f"[{code}] {message}")
         self.code = code
+        self.message = message
+
+    @property
+    def code_name(self) -> str:
+        """The ``grpc.StatusCode`` name of ``code`` (8: RESOURCE_EXHAUSTED), or the number when unknown."""
+        return next((c.name for c in grpc.StatusCode if c.value[0] == self.code), str(self.code))
 
 
 @dataclass
