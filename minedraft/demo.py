@@ -48,11 +48,16 @@ def format_table(by_mode: dict[str, dict]) -> str:
 
 
 def format_identity(by_mode: dict[str, dict]) -> str:
-    """One line: how many greedy outputs of each mode equal ``ar``'s, or why none were compared."""
+    """One line: how many greedy outputs of each mode equal ``ar``'s, or why none were compared
+    (no ar, only ar, or ``run_demo`` did not compare: temperature > 0 or --bench-fixed-acceptance)."""
+    if "ar" not in by_mode:
+        return "outputs not compared: ar, the reference, was not among the modes"
+    if len(by_mode) == 1:
+        return "outputs not compared: only ar ran, no speculative mode to compare with it"
     counts = {mode: m["num_outputs_equal_to_ar"] for mode, m in by_mode.items()
               if mode != "ar" and "num_outputs_equal_to_ar" in m}
     if not counts:
-        return "outputs not compared with ar's (needs ar among the modes and temperature 0)"
+        return "outputs not compared with ar's (needs temperature 0 and no --bench-fixed-acceptance)"
     return "greedy outputs equal to ar's: " + ", ".join(
         f"{mode} {num}/{by_mode[mode]['num_requests']}" for mode, num in counts.items())
 

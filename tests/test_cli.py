@@ -99,6 +99,16 @@ def test_demo_states_output_identity_and_prints_no_nan():
     assert "nan" not in format_metrics({"acceptance_rate": float("nan"), "x": 1.5}).lower()
 
 
+def test_demo_identity_line_gives_the_right_reason_when_nothing_was_compared():
+    """``--modes ar`` said "needs ar among the modes"; ar alone has nothing to compare with."""
+    only_ar = format_identity({"ar": {"num_requests": 4, "num_outputs_equal_to_ar": 4}})
+    assert only_ar == "outputs not compared: only ar ran, no speculative mode to compare with it"
+    no_ar = format_identity({"sd": {"num_requests": 4}, "psd": {"num_requests": 4}})
+    assert no_ar == "outputs not compared: ar, the reference, was not among the modes"
+    sampled = format_identity({"ar": {"num_requests": 4}, "psd": {"num_requests": 4}})  # temperature > 0
+    assert sampled == "outputs not compared with ar's (needs temperature 0 and no --bench-fixed-acceptance)"
+
+
 def test_build_request_needs_exactly_one_input():
     with pytest.raises(ValueError, match="prompt"):
         build_request("a", prompt_token_ids=[1])
