@@ -113,6 +113,24 @@ class EngineClients:
         outcomes = await asyncio.gather(*(self.prefill_verifier([seq]) for seq in seqs))
         return {request_id: out for outcome in outcomes for request_id, out in outcome.items()}
 
+    async def add_to_drafter(self, seqs: list[engine_pb2.SeqInit]) -> dict[str, grpc.aio.AioRpcError]:
+        """Drafter AddRequests: request id -> the ``AioRpcError`` of each request it refused. A
+        batch refused for a reason other than transport (it adds all or none) is retried one request
+        at a time, so only a bad request is left out. Raises grpc.aio.AioRpcError on a transport
+        error (the drafter is lost: ``coordinator.fallback``)."""
+        try:
+            await self.add_requests(self.drafter, seqs)
+            return {}
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _TRANSPORT_ERRORS:
+                raise
+            if len(seqs) == 1:
+                return {seqs[0].request_id: exc}
+        refused: dict[str, grpc.aio.AioRpcError] = {}
+        for seq in seqs:  # one at a time: the drafter runs them in one engine thread anyway
+            refused.update(await self.add_to_drafter([seq]))
+        return refused
+
     async def release(self, stub, request_ids: list[str]) -> int:
         response = await stub.ReleaseRequests(engine_pb2.ReleaseRequest(request_ids=request_ids), timeout=self.timeout)
         return response.num_released

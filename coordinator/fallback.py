@@ -6,6 +6,10 @@ with k = 0 is plain decoding, so outputs stay exactly the target model's). Every
 the running requests are released there (it may still hold stale state) and re-added with their
 committed sequence minus the last token as the prompt, so the next Draft call feeds that token
 (``DraftSeq.start_position = len(committed) - 1``), exactly like a freshly admitted request.
+
+A drafter that refuses a request for a reason other than transport (e.g. RESOURCE_EXHAUSTED or
+INVALID_ARGUMENT for one prompt; ``EngineClients.add_to_drafter``) is not lost: only that request
+runs undrafted (k = 0) until it finishes (``DrafterLink.refused``), the others keep speculating.
 """
 
 from __future__ import annotations
@@ -24,17 +28,20 @@ from coordinator.request import RequestState
 logger = logging.getLogger(__name__)
 
 
-async def add_committed(engines: EngineClients, requests: list[RequestState]) -> None:
+async def add_committed(engines: EngineClients, requests: list[RequestState]) -> dict[str, grpc.aio.AioRpcError]:
     """Add ``requests`` to the drafter with their committed tokens but the last as the prompt, so
-    the next Draft call feeds that token (module docstring); marks them as told. Raises
-    grpc.aio.AioRpcError from the drafter."""
+    the next Draft call feeds that token (module docstring); marks those it took as told and
+    returns the refused ones (``EngineClients.add_to_drafter``). Raises grpc.aio.AioRpcError on
+    a transport error."""
     if not requests:
-        return
+        return {}
     seqs = [engine_pb2.SeqInit(request_id=r.request_id, prompt_token_ids=r.committed[:-1], sampling=r.sampling)
             for r in requests]
-    await engines.add_requests(engines.drafter, seqs)
+    refused = await engines.add_to_drafter(seqs)
     for request in requests:
-        request.num_drafter_tokens = len(request.committed) - 1
+        if request.request_id not in refused:
+            request.num_drafter_tokens = len(request.committed) - 1
+    return refused
 
 
 class DrafterLink:
@@ -46,6 +53,7 @@ class DrafterLink:
         self.retry_s = retry_s
         self._next_probe = 0.0
         self._orphans: set[str] = set()  # released while it was away: release there on return
+        self.refused: set[str] = set()  # ids the drafter refused: undrafted until released
 
     @property
     def is_due(self) -> bool:
@@ -61,9 +69,19 @@ class DrafterLink:
         return max(self._next_probe - time.monotonic(), 0.0)
 
     def note_released(self, request_ids: Iterable[str]) -> None:
-        """Remember ids released while the drafter is away (released there once it is back)."""
+        """Forget the refusals of released ids; remember ids released while the drafter is away
+        (released there once it is back)."""
+        request_ids = set(request_ids)
+        self.refused -= request_ids
         if self.is_used and not self.is_available:
             self._orphans.update(request_ids)
+
+    def refuse(self, refused: dict[str, grpc.aio.AioRpcError]) -> None:
+        """Run the requests the drafter refused undrafted from now on (module docstring)."""
+        for request_id, exc in refused.items():
+            logger.warning("drafter refused request %s (%s: %s); it continues without speculation",
+                           request_id, exc.code().name, exc.details())
+        self.refused.update(refused)
 
     def lose(self, exc: BaseException, running: Iterable[RequestState]) -> None:
         """Switch to ``ar``: drop every pending draft and what the drafter was told."""
@@ -82,7 +100,7 @@ class DrafterLink:
             await engines.drafter.GetInfo(engine_pb2.EngineInfoRequest(), timeout=engines.timeout)
             if ids:
                 await engines.release(engines.drafter, ids)
-            await add_committed(engines, running)
+            self.refuse(await add_committed(engines, running))
         except grpc.aio.AioRpcError as exc:
             self._next_probe = time.monotonic() + self.retry_s
             logger.info("drafter still unavailable: %s", exc.code())

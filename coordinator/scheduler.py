@@ -213,13 +213,15 @@ class Scheduler(StepLoop):
         calls = [self.engines.prefill_verifier(seqs)]
         if is_drafting:  # a prompt longer than the draft's window runs without speculation
             draft_seqs = [seq for seq, r in zip(seqs, new) if r in drafted]
-            calls.append(self.engines.add_requests(self.engines.drafter, draft_seqs))
+            calls.append(self.engines.add_to_drafter(draft_seqs))
         results = await asyncio.gather(*calls, return_exceptions=True)
         if is_drafting and isinstance(results[1], Exception):
             self._lose_drafter(results[1])
-        elif is_drafting:
+        elif is_drafting:  # a request the drafter refused runs undrafted (coordinator.fallback)
+            self.drafter_link.refuse(results[1])
             for request in drafted:
-                request.num_drafter_tokens = len(request.prompt_token_ids)
+                if request.request_id not in results[1]:
+                    request.num_drafter_tokens = len(request.prompt_token_ids)
         self._start_requests(new, results[0])
 
     def _start_requests(self, new: list[RequestState], outputs: dict[str, object]) -> None:

@@ -108,9 +108,10 @@ class StepLoop:
         return [r for r in candidates if r.drafts is not None]
 
     def _speculative(self, requests: list[RequestState]) -> list[RequestState]:
-        """The requests with room for k_max draft tokens in both engines' KV (``coordinator.context_window``)."""
-        k = self.cfg.num_speculative_tokens
-        return [r for r in requests if self.limits.can_speculate(len(r.committed), k)]
+        """The requests with room for k_max draft tokens in both engines' KV (``coordinator.context_window``)
+        that the drafter has not refused (``coordinator.fallback``)."""
+        k, refused = self.cfg.num_speculative_tokens, self.drafter_link.refused
+        return [r for r in requests if self.limits.can_speculate(len(r.committed), k) and r.request_id not in refused]
 
     def _schedule(self, mode: Mode) -> tuple[list[RequestState], list[RequestState]]:
         """(requests to verify now, requests to draft ahead for the next step)."""
@@ -158,11 +159,13 @@ class StepLoop:
         """The ``requests`` that can be drafted now. Requests ``auto`` admitted while it ran ``ar``
         (``num_drafter_tokens == 0``) are added to the drafter first, in one AddRequests call, with
         their committed tokens but the last as the prompt (as after a drafter outage), so ``ar``
-        never waits for a drafter prefill. Raises grpc.aio.AioRpcError from the drafter."""
+        never waits for a drafter prefill; one it refuses runs undrafted. Raises
+        grpc.aio.AioRpcError on a drafter transport error."""
         missing = [r for r in requests if r.num_drafter_tokens == 0
                    and self.limits.fits_drafter(len(r.committed) - 1)]
-        await add_committed(self.engines, missing)
-        self.metrics.num_lazy_drafter_adds.inc(len(missing))
+        refused = await add_committed(self.engines, missing)
+        self.drafter_link.refuse(refused)
+        self.metrics.num_lazy_drafter_adds.inc(len(missing) - len(refused))
         return [r for r in requests if r.num_drafter_tokens > 0]
 
     def _postprocess(self, verify_reqs, drafts, response: engine_pb2.VerifyResponse) -> tuple[int, list[int]]:
