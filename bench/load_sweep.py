@@ -141,21 +141,25 @@ def run_config(args, front: Front, pool, points, budget: Budget, report: SweepRe
         progress.update(1)
 
 
+def schedule(args) -> list[tuple[SweepConfig, str]]:
+    """(configuration, log dir) in run order: the configuration list once per ``--rounds``."""
+    if args.rounds == 1:
+        return [(c, os.path.join(args.logs_dir, c.name)) for c in args.configs]
+    return [(c, os.path.join(args.logs_dir, c.name, f"round{r}")) for r in range(args.rounds) for c in args.configs]
+
+
 def run_configs(args, cfg: StackConfig, names: tuple[str, str], pool, points, budget: Budget, report: SweepReport,
                 progress) -> int:
-    """Every configuration in turn, the next one's gateway prestarted; 1 if one failed, else 0."""
-    status, fronts = 0, []
+    """Every scheduled configuration in turn, the next one's gateway prestarted; 1 if one failed, else 0."""
+    status, fronts, plan = 0, [], schedule(args)
     gateway_wait_s = args.time_budget_s + args.startup_timeout_s
     try:
-        for index, sweep in enumerate(args.configs):
+        for index, (sweep, run_dir) in enumerate(plan):
             if index == 0:
-                fronts.append(Front(cfg, sweep, names, os.path.join(args.logs_dir, sweep.name), gateway_wait_s,
-                                    progress.write))
+                fronts.append(Front(cfg, sweep, names, run_dir, gateway_wait_s, progress.write))
             front = fronts[-1]
-            if index + 1 < len(args.configs) and budget.left_s() > args.min_point_s:
-                nxt = args.configs[index + 1]
-                fronts.append(Front(cfg, nxt, names, os.path.join(args.logs_dir, nxt.name), gateway_wait_s,
-                                    progress.write))
+            if index + 1 < len(plan) and budget.left_s() > args.min_point_s:
+                fronts.append(Front(cfg, plan[index + 1][0], names, plan[index + 1][1], gateway_wait_s, progress.write))
                 fronts[-1].prestart()
             try:
                 run_config(args, front, pool, points, budget, report, progress)
@@ -164,8 +168,8 @@ def run_configs(args, cfg: StackConfig, names: tuple[str, str], pool, points, bu
                 status = 1
             finally:
                 front.stop()
-            if front is fronts[-1] and index + 1 < len(args.configs):   # budget spent: nothing prestarted
-                report.note(f"SKIPPED {[c.name for c in args.configs[index + 1:]]}: time budget")
+            if front is fronts[-1] and index + 1 < len(plan):   # budget spent: nothing prestarted
+                report.note(f"SKIPPED {[c.name for c, _ in plan[index + 1:]]}: time budget")
                 break
     finally:
         for front in fronts:
@@ -190,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     report.config["draft_dir"] = draft_dir
     engines = Engines("engines", args.logs_dir)
     status = 1
-    with tqdm(total=len(args.configs) * len(points), desc="load sweep", unit="point") as progress:
+    with tqdm(total=args.rounds * len(args.configs) * len(points), desc="load sweep", unit="point") as progress:
         try:
             start = time.monotonic()
             engines.start([verifier_spec(cfg, model_dir), drafter_spec(cfg, model_dir, draft_dir)], progress.write)

@@ -96,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-warmup", type=int, default=2,
                    help="unmeasured requests per configuration, up to its max running requests at once (the "
                         "engines capture a CUDA graph per new batch bucket and verify width on first use)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the whole configuration list this many times; a point reports the median round "
+                        "(bench.load_sweep_report)")
     p.add_argument("--time-budget-s", type=float, default=520.0, help="no point starts after this")
     p.add_argument("--min-point-s", type=float, default=8.0, help="a point starts only if this much is left")
     p.add_argument("--startup-timeout-s", type=float, default=300.0)
@@ -111,4 +114,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(exc))
     if not args.configs or not args.concurrencies or min(args.concurrencies) < 1:
         p.error("--configs and --concurrencies (each >= 1) must not be empty")
+    if args.rounds < 1:
+        p.error(f"--rounds: must be >= 1, got {args.rounds}")
     return args

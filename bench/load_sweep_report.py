@@ -1,6 +1,13 @@
 """Results of ``bench/load_sweep.py``: per (configuration, load point) metrics, the best fixed
 configuration per point, issue 10's goals, greedy identity vs ``ar``; JSON + Markdown + one PNG.
 
+With ``--rounds R`` every (configuration, point) is measured R times (the whole configuration
+list once per round, so slow drift of the machine hits every configuration alike). A point's
+figures are then those of its median-throughput round, its output tokens/s the median over the
+rounds (``rounds_tps`` keeps each round's), and auto/best is also given per round (each round's
+auto against the same round's run of the configuration that is best by median), a paired ratio
+less exposed to drift between rounds than the ratio of medians.
+
 Goals (issue 10, output tokens/s): ``auto`` within 3% of the best fixed (mode, k, m) at every
 closed-loop point (auto/best >= 0.97) and above it on the bursty open-loop trace (> 1.0); psd with
 adaptive k at least 1.8x sd at its best point (psd-adaptive's highest-throughput point, against
@@ -10,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 
 from bench.load_sweep_cli import SweepConfig
 from minedraft.prompts import write_json
@@ -36,14 +44,19 @@ class SweepReport:
 
     def __init__(self, out_dir: str, config: dict, configs: tuple[SweepConfig, ...]) -> None:
         self.out_dir, self.config, self.configs = out_dir, config, {c.name: c for c in configs}
-        self.points: dict[str, dict[str, dict]] = {}        # config name -> point label -> metrics
-        self.outputs: dict[str, dict[str, list]] = {}       # config name -> point label -> results
+        self.points: dict[str, dict[str, dict]] = {}        # config name -> point label -> summary (median round)
+        self.rounds: dict[str, dict[str, list[dict]]] = {}  # config name -> point label -> metrics per round
+        self.outputs: dict[str, dict[str, list]] = {}       # config name -> point label -> results per round
         self.notes: list[str] = []
 
     def add(self, config: SweepConfig, label: str, metrics: dict, results: list) -> None:
-        self.outputs.setdefault(config.name, {})[label] = results
-        self.points.setdefault(config.name, {})[label] = metrics
+        """One round of ``config`` at ``label``: its metrics and per-request results."""
+        self.outputs.setdefault(config.name, {}).setdefault(label, []).append(results)
+        self.rounds.setdefault(config.name, {}).setdefault(label, []).append(dict(metrics))
         self._check_identity(label)
+        for name, by_label in self.rounds.items():
+            if label in by_label:
+                self.points.setdefault(name, {})[label] = summarize_rounds(by_label[label])
         self.write()
 
     def note(self, text: str) -> None:
@@ -57,9 +70,14 @@ class SweepReport:
                     if cfg.mode == "ar" and label in self.outputs.get(name, {})), None)
         if self.config.get("temperature") != 0 or ref is None:
             return
+        reference = self.outputs[ref][label]
         for name, by_label in self.outputs.items():
-            if name != ref and label in by_label:
-                self.points[name][label]["outputs_equal_to_ar"] = compare_tokens(by_label[label], self.outputs[ref][label])
+            if name == ref or label not in by_label:
+                continue
+            for index, results in enumerate(by_label[label]):   # round i against the reference's round i
+                run = self.rounds[name][label][index]
+                if "outputs_equal_to_ar" not in run:
+                    run["outputs_equal_to_ar"] = compare_tokens(results, reference[min(index, len(reference) - 1)])
 
     def labels(self) -> list[str]:
         seen: list[str] = []
@@ -80,6 +98,9 @@ class SweepReport:
                 cfg = self.configs[name]
                 if cfg.mode == "auto" and best:
                     entry[f"{name}/best_fixed"] = value / fixed[best]
+                    if len(self.rounds[name][label]) > 1:
+                        entry[f"{name}/best_fixed per round"] = paired_ratios(self.rounds[name][label],
+                                                                              self.rounds[best][label])
                 if cfg.mode == "psd" and cfg.k_policy == "adaptive" and sd:
                     entry[f"{name}/best_sd"] = value / max(sd.values())
                     same = f"sd-k{cfg.k}-m{cfg.m}"   # sd with the same k (bound) and m
@@ -108,8 +129,8 @@ class SweepReport:
 
     def as_json(self) -> dict:
         configs = {name: vars(cfg) | {"is_fixed": cfg.is_fixed} for name, cfg in self.configs.items()}
-        return {"config": self.config, "configs": configs, "points": self.points, "analysis": self.analysis(),
-                "notes": self.notes}
+        return {"config": self.config, "configs": configs, "points": self.points, "rounds": self.rounds,
+                "analysis": self.analysis(), "notes": self.notes}
 
     def write(self) -> None:
         payload = self.as_json()
@@ -117,6 +138,26 @@ class SweepReport:
         with open(os.path.join(self.out_dir, "results.md"), "w", encoding="utf-8") as f:
             f.write(render_markdown(payload))
         plot(payload, os.path.join(self.out_dir, "load_sweep.png"))
+
+
+def summarize_rounds(runs: list[dict]) -> dict:
+    """A point's summary over its rounds: the median-throughput round's metrics with the median
+    output tokens/s (``rounds_tps``: every round's), and identity counts summed over rounds."""
+    ranked = sorted(runs, key=lambda m: m[TPS])
+    summary = dict(ranked[(len(ranked) - 1) // 2])
+    values = [m[TPS] for m in runs]
+    summary.update({TPS: statistics.median(values), "rounds_tps": values, "num_rounds": len(runs)})
+    checks = [m["outputs_equal_to_ar"] for m in runs if "outputs_equal_to_ar" in m]
+    if checks:
+        summary["outputs_equal_to_ar"] = {
+            "num_compared": sum(c["num_compared"] for c in checks), "num_equal": sum(c["num_equal"] for c in checks),
+            "differing": [i for c in checks for i in c["differing"]][:8]}
+    return summary
+
+
+def paired_ratios(runs: list[dict], reference: list[dict]) -> list[float]:
+    """Round i's output tokens/s over the reference's round i, for the rounds both ran."""
+    return [m[TPS] / ref[TPS] for m, ref in zip(runs, reference) if ref[TPS] > 0]
 
 
 def _cell(value, digits: int) -> str:
@@ -133,7 +174,9 @@ def _point_rows(payload: dict, label: str) -> list[str]:
         steps = ", ".join(f"{mode} {n}" for mode, n in m.get("steps_by_mode", {}).items()) or "-"
         ks = ", ".join(f"k{k}: {n}" for k, n in m.get("steps_by_k", {}).items()) or "-"
         cells = [_cell(m.get(key), digits) for key, _, digits in COLUMNS]
-        rows.append(f"| {name} | " + " | ".join(cells) + f" | {steps} | {ks} | "
+        spread = m.get("rounds_tps") or [m[TPS]]
+        rows.append(f"| {name} | " + " | ".join(cells) + f" | {min(spread):.1f}-{max(spread):.1f} ({len(spread)}) "
+                    f"| {steps} | {ks} | "
                     + (f"{eq['num_equal']}/{eq['num_compared']}" if eq else "-") + " |")
     return rows
 
@@ -141,14 +184,15 @@ def _point_rows(payload: dict, label: str) -> list[str]:
 def render_markdown(payload: dict) -> str:
     """Per point: a table of every configuration; then best fixed, ratios and goals."""
     lines = [f"config: `{json.dumps(payload['config'], sort_keys=True)}`", ""]
-    header = "| configuration | " + " | ".join(t for _, t, _ in COLUMNS) + " | steps by mode | steps by k | outputs = ar |"
+    header = ("| configuration | " + " | ".join(t for _, t, _ in COLUMNS)
+              + " | tok/s min-max (rounds) | steps by mode | steps by k | outputs = ar |")
     analysis = payload["analysis"]
     for label in analysis["per_point"]:
-        lines += [f"### load point {label}", "", header, "|---" * (len(COLUMNS) + 4) + "|", *_point_rows(payload, label), ""]
+        lines += [f"### load point {label}", "", header, "|---" * (len(COLUMNS) + 5) + "|", *_point_rows(payload, label), ""]
     lines += ["### best fixed configuration per load point", "",
               "| point | best fixed | tok/s | ratios |", "|---|---|---|---|"]
     for label, e in analysis["per_point"].items():
-        ratios = ", ".join(f"{k} = {v:.3f}" for k, v in e.items() if "/" in k)
+        ratios = ", ".join(f"{k} = {_ratios(v)}" for k, v in e.items() if "/" in k)
         lines.append(f"| {label} | {e['best_fixed']} | {_cell(e['best_fixed_tps'], 1)} | {ratios or '-'} |")
     lines += ["", "### goals (issue 10)", ""]
     for goal, result in analysis["goals"].items():
@@ -156,6 +200,10 @@ def render_markdown(payload: dict) -> str:
         lines.append(f"- {goal}: **{'met' if result['met'] else 'missed'}** ({detail})")
     lines += [""] + [f"- {note}" for note in payload["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def _ratios(value) -> str:
+    return " / ".join(f"{v:.3f}" for v in value) if isinstance(value, list) else f"{value:.3f}"
 
 
 def plot(payload: dict, path: str) -> None:

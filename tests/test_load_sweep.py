@@ -106,3 +106,34 @@ def test_cpu_twin_end_to_end(model_dirs, tmp_path):  # noqa: F811
                                                  "the bursty trace"}
     assert payload["config"]["points"]["bursty"]["num_requests"] == len(bursty_arrivals(parse_args(argv).burst, 0))
     assert "best fixed" in (out / "results.md").read_text() and os.path.getsize(out / "load_sweep.png") > 0
+
+
+def test_report_rounds_median_and_paired_ratios(tmp_path):
+    configs = tuple(parse_config(n) for n in ("ar-m4", "auto-k4-m4"))
+    report = SweepReport(str(tmp_path), {"temperature": 0}, configs)
+    rounds = {"ar-m4": (100, 140, 90), "auto-k4-m4": (99, 120, 95)}
+    for index in range(3):
+        for config in configs:
+            tokens = [1, 2] if (config.name, index) != ("auto-k4-m4", 2) else [1, 3]
+            report.add(config, "c4", {"output_tokens_per_s": rounds[config.name][index], "kind": "closed",
+                                      "concurrency": 4, "round": index}, [_result(tokens)])
+    auto = report.points["auto-k4-m4"]["c4"]
+    assert auto["output_tokens_per_s"] == 99 and auto["round"] == 0 and auto["rounds_tps"] == [99, 120, 95]
+    assert report.points["ar-m4"]["c4"]["output_tokens_per_s"] == 100 and auto["num_rounds"] == 3
+    assert auto["outputs_equal_to_ar"] == {"num_compared": 3, "num_equal": 2, "differing": [0]}
+    entry = report.analysis()["per_point"]["c4"]
+    assert entry["auto-k4-m4/best_fixed"] == pytest.approx(0.99)
+    assert entry["auto-k4-m4/best_fixed per round"] == pytest.approx([0.99, 120 / 140, 95 / 90])
+    text = open(tmp_path / "results.md").read()
+    assert "95.0-120.0 (3)" in text and "0.990 / 0.857 / 1.056" in text
+
+
+def test_rounds_schedule_interleaves_configurations(tmp_path):
+    from bench.load_sweep import schedule
+    base = ["--out-dir", str(tmp_path), "--logs-dir", "L", "--configs", "ar-m2,sd-k2-m2"]
+    assert [(c.name, d) for c, d in schedule(parse_args(base))] == [("ar-m2", "L/ar-m2"), ("sd-k2-m2", "L/sd-k2-m2")]
+    plan = [(c.name, d) for c, d in schedule(parse_args(base + ["--rounds", "2"]))]
+    assert plan == [("ar-m2", "L/ar-m2/round0"), ("sd-k2-m2", "L/sd-k2-m2/round0"),
+                    ("ar-m2", "L/ar-m2/round1"), ("sd-k2-m2", "L/sd-k2-m2/round1")]
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--rounds", "0"])
