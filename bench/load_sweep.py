@@ -3,7 +3,7 @@ closed-loop concurrency 1..64 and one seeded bursty open-loop trace.
 
 ``python -m bench.load_sweep --out-dir DIR [--device cuda|cpu] [--configs ...] [--concurrencies 1,4,16,64]``
 
-The engines (verifier on GPU 0, drafter on GPU 1 on ``cuda``; both on this machine's cores on
+The engines (verifier on GPU 0, drafter on GPU ``--drafter-gpu``, default 1, on ``cuda``; both on this machine's cores on
 ``cpu``) start once with enough KV slots for the largest configuration; each configuration
 (``bench.load_sweep_cli``: name syntax, default grid) then gets its own coordinator and gateway
 in front of them, a few unmeasured warm-up requests, and its load points
@@ -43,7 +43,7 @@ AR_K = 1  # StackConfig needs k >= 1; an ar coordinator never drafts
 def engine_config(args, configs: tuple[SweepConfig, ...]) -> StackConfig:
     """Engines with 2 * ceil(max running / 2) KV slots and the largest k (fresh loopback ports)."""
     max_running = max(c.max_num_running for c in configs)
-    gpu_kwargs = dict(verifier_gpus=(0,), drafter_gpu=1) if args.device == "cuda" else {}
+    gpu_kwargs = dict(verifier_gpus=(0,), drafter_gpu=args.drafter_gpu) if args.device == "cuda" else {}
     verifier_port, drafter_port, dist_port = free_loopback_ports(3)
     return StackConfig(mode="psd", num_speculative_tokens=max(max(c.k for c in configs), AR_K),
                        max_num_seqs=(max_running + 1) // 2, target=args.target, draft=args.draft,

@@ -72,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", required=True, help="results.json, results.md, load_sweep.png")
     p.add_argument("--logs-dir", default="runs/load_sweep", help="service and step logs")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--drafter-gpu", type=int, default=1,
+                   help="cuda: the drafter's GPU (the verifier runs on GPU 0; 0 shares it on a one-GPU machine)")
     p.add_argument("--dtype", default=None, help="engine dtype (default: the device's, minedraft.placement)")
     p.add_argument("--target", default="smollm2-135m-instruct", help="target alias, dir or .gguf")
     p.add_argument("--draft", default="", help="draft dir ('' = the target's default draft)")
@@ -114,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(exc))
     if not args.configs or not args.concurrencies or min(args.concurrencies) < 1:
         p.error("--configs and --concurrencies (each >= 1) must not be empty")
+    if args.drafter_gpu < 0:
+        p.error(f"--drafter-gpu: must be >= 0, got {args.drafter_gpu}")
     if args.rounds < 1:
         p.error(f"--rounds: must be >= 1, got {args.rounds}")
     return args

@@ -137,3 +137,6 @@ def test_rounds_schedule_interleaves_configurations(tmp_path):
                     ("ar-m2", "L/ar-m2/round1"), ("sd-k2-m2", "L/sd-k2-m2/round1")]
     with pytest.raises(SystemExit):
         parse_args(base + ["--rounds", "0"])
+    assert parse_args(base).drafter_gpu == 1 and parse_args(base + ["--drafter-gpu", "0"]).drafter_gpu == 0
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--drafter-gpu", "-1"])
