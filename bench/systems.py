@@ -43,6 +43,8 @@ class SystemSpec:
         mode: ours: ``ar``/``sd``/``psd``; vLLM: ``ar`` (none), ``sd`` (draft model), ``ngram``.
         is_pinned: ours: verifier/drafter pinned to one core each.
         num_engine_threads: ours: torch threads per engine.
+        max_num_batched_tokens: ours: the coordinator's prompt-token budget per step (0 = none,
+            None = the stack's device default, ``minedraft.stack.DEFAULT_BATCHED_TOKENS``).
         note: caveat printed with the results.
     """
 
@@ -53,6 +55,7 @@ class SystemSpec:
     num_engine_threads: int = 1
     k_policy: str = "fixed"
     balancer: str = "paper"
+    max_num_batched_tokens: int | None = None
     note: str = ""
 
     @property
@@ -70,10 +73,15 @@ class SystemSpec:
         return 1 if self.mode == "ar" else min(2, num_usable)
 
 
+NO_TOKEN_LIMIT = 0  # max_num_batched_tokens: admit every waiting prompt at once
+
 SYSTEMS = {s.name: s for s in (
     SystemSpec("ar", OURS, "ar", note="verifier pinned to 1 core"),
     SystemSpec("sd", OURS, "sd", note="verifier and drafter pinned to cores 0/1"),
     SystemSpec("psd", OURS, "psd", note="two batches of m (2m resident), verifier/drafter pinned to cores 0/1"),
+    SystemSpec("ar-nolimit", OURS, "ar", max_num_batched_tokens=NO_TOKEN_LIMIT,
+               note="ar admitting every waiting prompt at once (no --max-num-batched-tokens; ar uses the "
+                    "stack's default)"),
     SystemSpec("sd-2core", OURS, "sd", is_pinned=False, num_engine_threads=2,
                note="sd with both cores: no pinning, 2 torch threads per engine"),
     SystemSpec("psd-adaptive", OURS, "psd", k_policy="adaptive",
@@ -155,7 +163,8 @@ class OursSystem:
         cfg = StackConfig(mode=spec.mode, num_speculative_tokens=k, max_num_seqs=spec.max_num_seqs(m), target=target,
                           draft=draft, max_model_len=max_model_len, is_pinned=spec.is_pinned,
                           num_engine_threads=spec.num_engine_threads, k_policy=spec.k_policy,
-                          balancer=spec.balancer, gateway_port=gateway,
+                          balancer=spec.balancer, max_num_batched_tokens=spec.max_num_batched_tokens,
+                          gateway_port=gateway,
                           coordinator_port=coordinator, drafter_port=drafter, verifier_port=verifier, dist_port=dist,
                           http_port=http, step_log=self._step_log, runs_dir=logs_dir,
                           startup_timeout_s=startup_timeout_s, dtype=dtype)

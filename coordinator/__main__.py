@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
     p.add_argument("--balancer", choices=[b.value for b in BalancerPolicy], default=BalancerPolicy.PAPER.value,
                    help="paper: new requests join skip_batch after the first step (MineDraft §5.1); "
                         "feedback: keep balancing the two batches by expected step cost")
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="most prompt tokens admitted between two steps (0 = no limit; the queue's head always)")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -52,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
             verifier=a.verifier, host=a.host, port=a.port, data_plane=a.data_plane, max_queue_len=a.max_queue_len,
             drafter_retry_s=a.drafter_retry, rpc_timeout_s=a.rpc_timeout, engine_wait_s=a.engine_wait,
             grace_s=a.grace, metrics_port=a.metrics_port, step_log=a.step_log, k_policy=a.k_policy,
-            balancer=a.balancer,
+            balancer=a.balancer, max_num_batched_tokens=a.max_num_batched_tokens,
         )
     except ValueError as exc:
         p.error(str(exc))

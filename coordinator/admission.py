@@ -19,6 +19,21 @@ from coordinator.config import CoordinatorConfig
 NO_DRAFTER = 0  # num_drafter_slots when the mode does not use the drafter
 
 
+def num_within_token_budget(prompt_lens: list[int], max_num_batched_tokens: int) -> int:
+    """How many requests from the queue's head (prompt lengths in tokens, in queue order) fit
+    one admission of at most ``max_num_batched_tokens`` prompt tokens; the head always counts,
+    so a prompt longer than the budget is admitted alone. 0 (``NO_TOKEN_BUDGET``): all of them.
+    """
+    if max_num_batched_tokens <= 0:
+        return len(prompt_lens)
+    num, total = 0, 0
+    for length in prompt_lens:
+        if num and total + length > max_num_batched_tokens:
+            break
+        num, total = num + 1, total + length
+    return num
+
+
 @dataclass(frozen=True)
 class EngineSlots:
     """Free KV slots each engine reported at start.

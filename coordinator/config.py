@@ -31,6 +31,8 @@ class DataPlaneKind(enum.StrEnum):
     INLINE = "inline"  # DraftResponse.draft_probs -> coordinator -> VerifyRequest.draft_probs
     DIST = "dist"  # torch.distributed drafter -> verifier; the coordinator passes step ids only
 
+NO_TOKEN_BUDGET = 0  # max_num_batched_tokens: no limit on prompt tokens admitted per step
+
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
@@ -58,6 +60,10 @@ class CoordinatorConfig:
             ``coordinator.adaptive``).
         balancer: ``paper`` (new requests join ``skip_batch`` after the first step, MineDraft §5.1)
             or ``feedback`` (keeps balancing by expected step cost; ``coordinator.balancer``).
+        max_num_batched_tokens: most prompt tokens admitted (prefilled) between two steps, as
+            vLLM's scheduler budget of the same name; the queue's head is always admitted, however
+            long. Smaller budgets stream first tokens sooner and let running requests decode
+            between admissions. :data:`NO_TOKEN_BUDGET` (0): no limit.
     """
 
     mode: Mode = Mode.PSD
@@ -77,6 +83,7 @@ class CoordinatorConfig:
     step_log: str = ""
     k_policy: str = "fixed"
     balancer: str = "paper"
+    max_num_batched_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _enum_field("mode", Mode, self.mode))
@@ -93,6 +100,8 @@ class CoordinatorConfig:
         for name in ("drafter_retry_s", "rpc_timeout_s", "engine_wait_s"):
             _require(getattr(self, name) > 0, name, "must be > 0")
         _require(self.grace_s >= 0, "grace_s", "must be >= 0")
+        _require(self.max_num_batched_tokens >= NO_TOKEN_BUDGET, "max_num_batched_tokens",
+                 f"must be >= {NO_TOKEN_BUDGET} ({NO_TOKEN_BUDGET} = no limit)")
         _require(0 <= self.metrics_port <= MAX_PORT, "metrics_port", f"must be in [0, {MAX_PORT}] (0 = off)")
 
     @property

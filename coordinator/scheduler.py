@@ -22,7 +22,7 @@ import grpc
 from minedraft.v1 import engine_pb2
 
 from coordinator.adaptive import KChooser, SpeculationStats
-from coordinator.admission import EngineSlots
+from coordinator.admission import EngineSlots, num_within_token_budget
 from coordinator.auto_mode import AutoDecision, AutoMode
 from coordinator.balancer import Balancer, BalancerConfig
 from coordinator.batch_manager import BatchManager
@@ -243,9 +243,11 @@ class Scheduler(StepLoop):
     def _num_to_admit(self, num_free: int) -> int:
         """Requests to admit from the queue's head now (the balancer may hold some one step)."""
         num = max(min(num_free, len(self.waiting)), 0)
+        head = [request for request, _ in zip(self.waiting.values(), range(num))]
+        num = num_within_token_budget([len(r.prompt_token_ids) for r in head], self.cfg.max_num_batched_tokens)
+        head = head[:num]
         if not self.cfg.uses_batches or num == 0 or self.effective_mode != Mode.PSD:
             return num
-        head = [request for request, _ in zip(self.waiting.values(), range(num))]
         positions = self.chooser.max_k + 1
         costs = [self.balancer.request_cost(positions, len(r.prompt_token_ids)) for r in head]
         admitted = self.balancer.num_to_admit(self.batches, costs, self.cfg.max_num_seqs, self._cost_of,

@@ -35,6 +35,8 @@ DEFAULT_TRUNCATED_LAYERS = (0, 1, 2, 3)  # untrained fallback draft: the target'
 VERIFIER_CPU, DRAFTER_CPU = 0, 1  # indexes into the CPUs this process may use
 NO_PINNING: tuple[int, ...] = ()
 
+DEFAULT_BATCHED_TOKENS = {"cpu": 4096, "cuda": 8192}  # vLLM's max_num_batched_tokens defaults
+
 
 @dataclass(frozen=True)
 class StackConfig:
@@ -71,6 +73,9 @@ class StackConfig:
         max_prefill_tokens: the engines' ``--max-prefill-tokens`` (prompts admitted together are
             prefilled in one forward up to this many padded tokens; 0 = one per forward). None:
             the engines' default (8192 on CUDA, 0 on CPU; ``specdec.config.ModelConfig``).
+        max_num_batched_tokens: the coordinator's ``--max-num-batched-tokens`` (prompt tokens
+            admitted between two steps; 0 = no limit). None: vLLM's defaults, 4096 on CPU and
+            8192 on CUDA (``DEFAULT_BATCHED_TOKENS``).
     """
 
     mode: str = "psd"
@@ -103,6 +108,7 @@ class StackConfig:
     k_policy: str = "fixed"
     balancer: str = "paper"
     max_prefill_tokens: int | None = None
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         checks = {
@@ -121,6 +127,8 @@ class StackConfig:
             "http_port": (0 <= self.http_port <= 65535, "must be in [0, 65535] (0 = off)"),
             "max_prefill_tokens": (self.max_prefill_tokens is None or self.max_prefill_tokens >= 0,
                                    "must be >= 0 (0 = one prompt per forward)"),
+            "max_num_batched_tokens": (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 0,
+                                       "must be >= 0 (0 = no limit)"),
         }
         for name in ("gateway_port", "coordinator_port", "drafter_port", "verifier_port", "dist_port"):
             checks[name] = (0 < getattr(self, name) <= 65535, "must be in [1, 65535]")
@@ -249,10 +257,17 @@ def coordinator_spec(cfg: StackConfig) -> ServiceSpec:
             "--max-num-seqs", str(cfg.max_num_seqs), "--data-plane", _COORDINATOR_PLANE[cfg.data_plane],
             "--drafter", f"{cfg.host}:{cfg.drafter_port}", "--verifier", f"{cfg.host}:{cfg.verifier_port}",
             "--host", cfg.host, "--port", str(cfg.coordinator_port), "--metrics-port", str(cfg.metrics_port),
-            "--k-policy", cfg.k_policy, "--balancer", cfg.balancer]
+            "--k-policy", cfg.k_policy, "--balancer", cfg.balancer,
+            "--max-num-batched-tokens", str(_batched_tokens(cfg))]
     if cfg.step_log:
         argv += ["--step-log", os.path.abspath(cfg.step_log)]
     return ServiceSpec("coordinator", argv, f"{cfg.host}:{cfg.coordinator_port}", env=cfg.placement.torch_free_env())
+
+
+def _batched_tokens(cfg: StackConfig) -> int:
+    if cfg.max_num_batched_tokens is not None:
+        return cfg.max_num_batched_tokens
+    return DEFAULT_BATCHED_TOKENS["cuda" if cfg.placement.is_cuda else "cpu"]
 
 
 def gateway_spec(cfg: StackConfig, model_dir: str, draft_name: str) -> ServiceSpec:

@@ -114,6 +114,9 @@ def test_minedraft_up_and_demo_pass_auto_adaptive_and_balancer_to_the_coordinato
         spec = coordinator_spec(stack_config(args, mode))
         cfg = parse_args(spec.argv[3:])
         assert (cfg.mode, cfg.k_policy, cfg.balancer) == (mode, "adaptive", "feedback")
+        assert cfg.max_num_batched_tokens == 4096   # the stack's CPU default reaches the coordinator
+    args = build_parser().parse_args(["up", "--max-num-batched-tokens", "512"])
+    assert parse_args(coordinator_spec(stack_config(args, "ar")).argv[3:]).max_num_batched_tokens == 512
     assert stack_config(args, "auto").has_drafter
     with pytest.raises(ValueError, match="k_policy"):
         StackConfig(k_policy="sometimes")

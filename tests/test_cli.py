@@ -20,7 +20,7 @@ from minedraft.v1 import common_pb2
 
 @pytest.mark.parametrize("field,value", [("mode", "fast"), ("num_speculative_tokens", 0), ("max_num_seqs", 0),
                                          ("tensor_parallel_size", 0), ("data_plane", "nccl"), ("gateway_port", 0),
-                                         ("max_prefill_tokens", -1)])
+                                         ("max_prefill_tokens", -1), ("max_num_batched_tokens", -1)])
 def test_stack_config_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
         StackConfig(**{field: value})
@@ -43,6 +43,9 @@ def test_service_specs_psd_pins_engines_and_shares_settings():
     assert coord[coord.index("--k") + 1] == "3" and coord[coord.index("--mode") + 1] == "psd"
     for spec in build_service_specs(StackConfig(max_prefill_tokens=0, draft="/d"), "/target")[:2]:
         assert spec.argv[spec.argv.index("--max-prefill-tokens") + 1] == "0"
+    assert coord[coord.index("--max-num-batched-tokens") + 1] == "4096"   # vLLM's CPU default
+    coord = build_service_specs(StackConfig(max_num_batched_tokens=0, draft="/d"), "/target")[2].argv
+    assert coord[coord.index("--max-num-batched-tokens") + 1] == "0"
     gateway = specs["gateway"].argv
     assert gateway[gateway.index("--tokenizer") + 1] == "/target"
 
