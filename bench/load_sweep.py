@@ -65,6 +65,7 @@ class Front:
         gateway_port, coordinator_port, metrics_port = free_loopback_ports(3)
         self.cfg = replace(cfg, mode=sweep.mode, num_speculative_tokens=max(sweep.k, AR_K), max_num_seqs=sweep.m,
                            k_policy=sweep.k_policy, balancer=sweep.balancer, gateway_port=gateway_port,
+                           max_num_batched_tokens=sweep.max_num_batched_tokens,
                            coordinator_port=coordinator_port, metrics_port=metrics_port,
                            step_log=os.path.join(run_dir, "steps.jsonl"))
         self.sweep, self.names, self.log = sweep, names, log

@@ -1,9 +1,11 @@
 """Command line and configuration grid of ``bench/load_sweep.py`` (issue 10's load sweep).
 
-A configuration is named ``<mode>[-k<K>]-m<M>[-adaptive][-feedback]``: ``mode`` one of ar, sd,
-psd, auto; ``K`` = num_speculative_tokens (the upper bound under ``-adaptive``, i.e. the
+A configuration is named ``<mode>[-k<K>]-m<M>[-b<B>][-adaptive][-feedback]``: ``mode`` one of ar,
+sd, psd, auto; ``K`` = num_speculative_tokens (the upper bound under ``-adaptive``, i.e. the
 coordinator's ``--k-policy adaptive``); ``M`` = max_num_seqs (m: ar/sd run m requests, psd/auto
-two batches of m); ``-feedback`` = ``--balancer feedback`` (default ``paper``).
+two batches of m); ``B`` = ``--max-num-batched-tokens`` (prompt tokens per admission, 0 = no
+limit; default the stack's per-device default); ``-feedback`` = ``--balancer feedback`` (default
+``paper``).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class SweepConfig:
     m: int
     k_policy: str = "fixed"
     balancer: str = "paper"
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in SWEEP_MODES:
@@ -53,9 +56,11 @@ class SweepConfig:
 def parse_config(name: str) -> SweepConfig:
     """``SweepConfig`` of a name such as ``psd-k4-m16-adaptive``. Raises ValueError."""
     parts = name.split("-")
-    mode, k, m, k_policy, balancer = parts[0], NO_K, 0, "fixed", "paper"
+    mode, k, m, k_policy, balancer, budget = parts[0], NO_K, 0, "fixed", "paper", None
     for part in parts[1:]:
-        if part == "adaptive":
+        if part[:1] == "b" and part[1:].isdigit():
+            budget = int(part[1:])
+        elif part == "adaptive":
             k_policy = "adaptive"
         elif part == "feedback":
             balancer = "feedback"
@@ -63,7 +68,7 @@ def parse_config(name: str) -> SweepConfig:
             k, m = (int(part[1:]), m) if part[0] == "k" else (k, int(part[1:]))
         else:
             raise ValueError(f"configs: cannot parse {part!r} in {name!r}")
-    return SweepConfig(name, mode, k, m, k_policy, balancer)
+    return SweepConfig(name, mode, k, m, k_policy, balancer, budget)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -38,6 +38,8 @@ def test_config_names():
     assert (c.mode, c.k, c.m, c.k_policy, c.balancer, c.is_fixed, c.max_num_running) == \
         ("auto", 4, 16, "adaptive", "feedback", False, 32)
     assert parse_config("ar-m32").is_fixed and parse_config("sd-k2-m4").max_num_running == 4
+    assert parse_config("ar-m32").max_num_batched_tokens is None
+    assert parse_config("ar-m32-b0").max_num_batched_tokens == 0 and parse_config("psd-k2-m4-b512").k == 2
     for bad in ("ar-k2-m4", "sd-m4", "psd-k2-m4-fast", "xx-k2-m4"):
         with pytest.raises(ValueError):
             parse_config(bad)
@@ -140,3 +142,16 @@ def test_rounds_schedule_interleaves_configurations(tmp_path):
     assert parse_args(base).drafter_gpu == 1 and parse_args(base + ["--drafter-gpu", "0"]).drafter_gpu == 0
     with pytest.raises(SystemExit):
         parse_args(base + ["--drafter-gpu", "-1"])
+
+
+def test_front_passes_the_configuration_budget_to_its_coordinator(tmp_path):
+    from bench.load_sweep import Front, engine_config
+    from coordinator.__main__ import parse_args as coordinator_args
+    from minedraft.stack import coordinator_spec
+
+    args = parse_args(["--out-dir", str(tmp_path), "--logs-dir", str(tmp_path), "--device", "cpu",
+                       "--configs", "ar-m2-b8,ar-m2"])
+    cfg = engine_config(args, args.configs)
+    budgets = [coordinator_args(coordinator_spec(Front(cfg, sweep, ("/t", "d"), str(tmp_path), 1.0).cfg).argv[3:])
+               .max_num_batched_tokens for sweep in args.configs]
+    assert budgets == [8, 4096]   # the configuration's, else the stack's CPU default
