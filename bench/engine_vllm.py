@@ -14,7 +14,9 @@ chat template, passed to both engines as token ids), float32, on one core pinned
   ``--vllm-python`` running this same file with ``--vllm-worker`` (VLLM_CPU_NUM_OF_RESERVED_CPU=1,
   VLLM_CPU_KVCACHE_SPACE=2): wall s of ``generate`` of the N prompts with max_tokens 1
   (= prefill + one sampled token), 1 + S and 1 + 2S (S = ``--num-steps``, ignore_eos, greedy),
-  after an untimed warm-up generate; decode ms/step = (t(1 + 2S) - t(1 + S)) / S.
+  after an untimed warm-up generate; decode ms/step = (t(1 + 2S) - t(1 + S)) / S. Both runs
+  include the ~17 s prefill, whose run-to-run noise (~1 s) is divided by S: use S >= 64 (on the
+  2-core dev host S = 16 gave 118 ms/step, S = 64 173 ms/step, the ad-hoc runs 171).
 
 Ratios are ours / vLLM (above 1: ours slower): prefill time, and decode step (ours' mean, as
 vLLM's figure is a mean over S steps; the median ratio is given too). Outputs in ``--out-dir``:
@@ -22,7 +24,7 @@ vLLM's figure is a mean over S steps; the median ratio is given too). Outputs in
 ``results.md``. Progress (and vLLM's log) goes to stderr. Takes ~3-4 min for 32 prompts.
 
 Usage:
-    python -m bench.engine_vllm [--model DIR] [--num-prompts 32] [--num-steps 16] [--core C]
+    python -m bench.engine_vllm [--model DIR] [--num-prompts 32] [--num-steps 64] [--core C]
         [--skip-vllm] [--out-dir bench/results/engine_vllm]
 """
 from __future__ import annotations
@@ -180,7 +182,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help=f"HF model dir (default: resolved {DEFAULT_MODEL})")
     p.add_argument("--data", default=DEFAULT_DATA, help="Spec-Bench question.jsonl")
     p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--num-steps", type=int, default=16)
+    p.add_argument("--num-steps", type=int, default=64, help="S (see the docstring: keep it >= 64)")
     p.add_argument("--core", type=int, default=max(os.sched_getaffinity(0)))
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--vllm-python", default=os.path.join(REPO, ".venv-vllm", "bin", "python"))
