@@ -19,8 +19,12 @@ import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psutil
+
+if TYPE_CHECKING:
+    from minedraft.stack import StackConfig
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 DRAFT_META_FILE = "minedraft_draft.json"
@@ -125,3 +129,26 @@ def check_fits(footprints: Sequence[Footprint], available: int | None = None) ->
             f"not enough memory: {parts} = {total / GIB:.2f} GiB > {available / GIB:.2f} GiB available; "
             "lower --max-num-seqs or --max-model-len, or use --dtype bfloat16")
     return total
+
+
+def check_memory(cfg: StackConfig, model_dir: str, log=print) -> None:
+    """Count target and draft weights plus both engines' KV caches (2m slots of ``max_model_len``)
+    against available memory before anything starts (the functions above). Models whose files
+    cannot be read are left to their service to report.
+
+    Raises:
+        InsufficientMemoryError: the configuration cannot fit.
+    """
+    from minedraft.stack import resolve_draft_dir  # stack's config module imports nothing from here
+    if cfg.placement.is_cuda:  # weights and KV caches live on the GPUs, not in this host's memory
+        log("memory check skipped: engines on cuda")
+        return
+    dirs = [("target", model_dir)] + ([("draft", resolve_draft_dir(cfg, model_dir))] if cfg.has_drafter else [])
+    try:
+        footprints = [model_footprint(name, path, cfg.dtype, cfg.num_engine_slots, cfg.max_model_len)
+                      for name, path in dirs]
+    except (OSError, KeyError, ValueError) as exc:
+        log(f"memory check skipped: {exc}")
+        return
+    total = check_fits(footprints)
+    log(f"memory: {total / GIB:.2f} GiB for weights and KV caches ({', '.join(name for name, _ in dirs)})")

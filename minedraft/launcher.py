@@ -29,7 +29,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.child_exec import NO_CPUS
-from minedraft.stack import ServiceSpec, StackConfig, build_service_specs, check_memory
+from minedraft.capacity import check_memory
+from minedraft.stack import ServiceSpec, StackConfig, build_service_specs
 
 POLL_S = 0.25
 NUM_LOG_TAIL_LINES = 40

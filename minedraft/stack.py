@@ -14,7 +14,6 @@ import sys
 from dataclasses import dataclass, field
 
 from minedraft.bench_only import check_acceptance_prob, fixed_acceptance_label
-from minedraft.capacity import GIB, check_fits, model_footprint
 from minedraft.placement import NO_GPU, NO_GPUS, Placement
 
 MODES = ("ar", "sd", "psd", "auto")  # auto: the coordinator picks ar / sd / psd per step (coordinator.auto_mode)
@@ -291,25 +290,3 @@ def build_service_specs(cfg: StackConfig, model_dir: str) -> list[ServiceSpec]:
         specs.append(drafter_spec(cfg, model_dir, draft_dir))
     specs += [coordinator_spec(cfg), gateway_spec(cfg, model_dir, draft_name)]
     return specs
-
-
-def check_memory(cfg: StackConfig, model_dir: str, log=print) -> None:
-    """Count target and draft weights plus both engines' KV caches (2m slots of ``max_model_len``)
-    against available memory before anything starts (``minedraft.capacity``). Models whose files
-    cannot be read are left to their service to report.
-
-    Raises:
-        InsufficientMemoryError: the configuration cannot fit.
-    """
-    if cfg.placement.is_cuda:  # weights and KV caches live on the GPUs, not in this host's memory
-        log("memory check skipped: engines on cuda")
-        return
-    dirs = [("target", model_dir)] + ([("draft", resolve_draft_dir(cfg, model_dir))] if cfg.has_drafter else [])
-    try:
-        footprints = [model_footprint(name, path, cfg.dtype, cfg.num_engine_slots, cfg.max_model_len)
-                      for name, path in dirs]
-    except (OSError, KeyError, ValueError) as exc:
-        log(f"memory check skipped: {exc}")
-        return
-    total = check_fits(footprints)
-    log(f"memory: {total / GIB:.2f} GiB for weights and KV caches ({', '.join(name for name, _ in dirs)})")
