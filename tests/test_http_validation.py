@@ -14,27 +14,13 @@ import json
 
 import pytest
 
-from gateway_harness import FakeCoordinatorThread
-from test_http_robustness import InProcessHttpGateway, _post
+from test_http_robustness import _post, gateway  # noqa: F401  (module fixture: in-process gateway, fake coordinator)
 
 CHAT = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture(scope="module")
-def gateway(tokenizer_dir):
-    """(fake coordinator servicer, HTTP port)."""
-    fake = FakeCoordinatorThread()
-    fake.set_serving()
-    gateway = InProcessHttpGateway(tokenizer_dir, fake.port)
-    try:
-        yield fake.servicer, gateway.port
-    finally:
-        gateway.stop()
-        fake.stop()
-
-
 @pytest.fixture
-def port(gateway, tokenizer) -> int:
+def port(gateway, tokenizer) -> int:  # noqa: F811  (the imported fixture)
     servicer, port = gateway
     servicer.script, servicer.step_delay_s, servicer.error = [tokenizer.encode("ok", add_special_tokens=False)], 0.0, None
     return port
