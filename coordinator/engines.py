@@ -23,6 +23,9 @@ from coordinator.request import PendingDrafts, RequestState
 
 # errors of the call itself, not of one request: no point in retrying requests one by one
 _TRANSPORT_ERRORS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+# a drafter's answer about one request (drafter_svc.engine_service.grpc_code_of: a CapacityError, a
+# bad prompt or id); any other error (INTERNAL, UNIMPLEMENTED, ...) means the drafter itself is broken
+_REFUSAL_CODES = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT)
 _INT_TYPECODES = {"int32": "i", "int64": "q"}
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32": 4, "int64": 8}
 
@@ -115,14 +118,15 @@ class EngineClients:
 
     async def add_to_drafter(self, seqs: list[engine_pb2.SeqInit]) -> dict[str, grpc.aio.AioRpcError]:
         """Drafter AddRequests: request id -> the ``AioRpcError`` of each request it refused. A
-        batch refused for a reason other than transport (it adds all or none) is retried one request
-        at a time, so only a bad request is left out. Raises grpc.aio.AioRpcError on a transport
-        error (the drafter is lost: ``coordinator.fallback``)."""
+        batch refused with RESOURCE_EXHAUSTED or INVALID_ARGUMENT (``_REFUSAL_CODES``; it adds all
+        or none) is retried one request at a time, so only a bad request is left out. Raises
+        grpc.aio.AioRpcError on any other error, transport or INTERNAL alike (the drafter is lost:
+        ``coordinator.fallback``)."""
         try:
             await self.add_requests(self.drafter, seqs)
             return {}
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in _TRANSPORT_ERRORS:
+            if exc.code() not in _REFUSAL_CODES:
                 raise
             if len(seqs) == 1:
                 return {seqs[0].request_id: exc}

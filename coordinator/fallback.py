@@ -7,9 +7,9 @@ the running requests are released there (it may still hold stale state) and re-a
 committed sequence minus the last token as the prompt, so the next Draft call feeds that token
 (``DraftSeq.start_position = len(committed) - 1``), exactly like a freshly admitted request.
 
-A drafter that refuses a request for a reason other than transport (e.g. RESOURCE_EXHAUSTED or
-INVALID_ARGUMENT for one prompt; ``EngineClients.add_to_drafter``) is not lost: only that request
-runs undrafted (k = 0) until it finishes (``DrafterLink.refused``), the others keep speculating.
+A drafter that refuses a request (RESOURCE_EXHAUSTED or INVALID_ARGUMENT for one prompt; any other
+error loses it; ``EngineClients.add_to_drafter``) is not lost: only that request runs undrafted
+(k = 0) until it finishes (``DrafterLink.refused``), the others keep speculating.
 """
 
 from __future__ import annotations

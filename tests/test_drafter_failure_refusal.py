@@ -90,3 +90,27 @@ def test_a_refusal_when_the_drafter_comes_back_leaves_only_that_request_undrafte
             assert h.drafter.num_draft_calls > calls
 
     asyncio.run(main())
+
+
+class BrokenDrafter(FakeDrafter):
+    """Answers every AddRequests with INTERNAL: the drafter itself is broken, not one request."""
+
+    async def AddRequests(self, request, context):
+        await context.abort(grpc.StatusCode.INTERNAL, "RuntimeError: engine thread died")
+
+
+def test_an_internal_error_loses_the_drafter_instead_of_refusing_each_request() -> None:
+    work = _workload(4)
+
+    async def main():
+        harness = Harness(mode="psd", max_num_seqs=4, delay_s=0.005)
+        harness.drafter = BrokenDrafter(harness.verifier, accuracy=0.7, delay_s=harness.verifier.delay_s)
+        async with harness as h:
+            losses = _watch_losses(h.scheduler)
+            results = await asyncio.gather(*(h.generate(rid, p, **s) for rid, p, s in work))
+            for (rid, prompt, sampling), (tokens, _, _) in zip(work, results):
+                assert tokens == _expected(prompt, sampling), rid
+            assert losses and not h.scheduler.is_drafter_available   # the ar fallback, gauge 0
+            assert not h.scheduler.drafter_link.refused
+
+    asyncio.run(main())
