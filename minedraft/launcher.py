@@ -202,8 +202,11 @@ class Stack:
     def stop(self) -> None:
         """Drain and stop, front to back: SIGTERM the gateway and wait for it to exit (it lets open
         streams finish within its grace), then the coordinator, then the engines (still serving
-        while the front drains), all within ``stop_timeout_s``; SIGKILL stragglers. Idempotent."""
+        while the front drains), all within ``stop_timeout_s``; SIGKILL stragglers. Idempotent. A
+        given-up service was reaped long ago: its pid may belong to another process by now, so it
+        is not signalled."""
         deadline = time.monotonic() + self.cfg.stop_timeout_s
+        self.services = [s for s in self.services if not s.is_given_up]
         for service in reversed(self.services):
             _signal_group(service.process, signal.SIGTERM)
             try:
@@ -243,6 +246,7 @@ def restart_exited(stack: Stack, restarts: dict[str, int], log=print) -> list[st
         if _is_fatal(service, restarts):
             stack.check_alive()  # raises with the log tail
         if restarts.get(name, 0) >= MAX_RESTARTS:
+            _signal_group(service.process, signal.SIGKILL)  # its group's stragglers, while its pid is ours
             service.is_given_up = True
             log(f"warning: {name} gave up after {MAX_RESTARTS} restarts; serving without speculation "
                 f"(exit code {code}, log {service.log_path})")

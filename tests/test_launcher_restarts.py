@@ -85,3 +85,17 @@ def test_a_service_up_for_stable_s_gets_its_restart_budget_back(stack, monkeypat
     assert restart_exited(stack, restarts, lambda line: None) == [] and "coordinator" not in restarts
     _kill(stack, "coordinator")
     assert restart_exited(stack, restarts, lambda line: None) == ["coordinator"] and restarts == {"coordinator": 1}
+
+
+def test_stop_does_not_signal_a_given_up_drafter(stack, monkeypatch):
+    signalled = []
+    monkeypatch.setattr(launcher, "_signal_group", lambda process, sig: signalled.append((process, sig)))
+    restarts = {}
+    for _ in range(MAX_RESTARTS + 1):
+        _kill(stack, "drafter")
+        restart_exited(stack, restarts, lambda line: None)
+    drafter = stack.service("drafter").process
+    assert signalled == [(drafter, launcher.signal.SIGKILL)]   # once, at give-up: its group's stragglers
+    signalled.clear()
+    stack.stop()
+    assert signalled and all(process is not drafter for process, _ in signalled) and not stack.services
