@@ -44,14 +44,20 @@ async def add_committed(engines: EngineClients, requests: list[RequestState]) ->
     return refused
 
 
-class DrafterLink:
-    """Whether the drafter is usable, when to probe it next, and what it must forget on return."""
+IDLE_CHECK_S = 5.0  # while idle, an available drafter is asked for GetInfo this often (s)
 
-    def __init__(self, is_used: bool, retry_s: float) -> None:
+
+class DrafterLink:
+    """Whether the drafter is usable, when to probe it next, and what it must forget on return.
+    While the coordinator is idle an available drafter is checked every ``idle_check_s`` seconds
+    too, so one that died between requests reads as unavailable (``drafter_available`` 0)."""
+
+    def __init__(self, is_used: bool, retry_s: float, idle_check_s: float = IDLE_CHECK_S) -> None:
         self.is_used = is_used
         self.is_available = is_used
-        self.retry_s = retry_s
-        self._next_probe = 0.0
+        self.retry_s, self.idle_check_s = retry_s, idle_check_s
+        self._next_probe = self._next_check = 0.0
+        self._num_failed_probes = 0
         self._orphans: set[str] = set()  # released while it was away: release there on return
         self.refused: set[str] = set()  # ids the drafter refused: undrafted until released
 
@@ -62,11 +68,23 @@ class DrafterLink:
 
     @property
     def probe_wait_s(self) -> float | None:
-        """Seconds until the next probe is due (0 when due), or None when none is pending: how
-        long the idle loop may sleep before it must probe."""
-        if not self.is_used or self.is_available:
+        """Seconds until the next probe or idle check is due (0 when due), or None when the
+        drafter is not used: how long the idle loop may sleep."""
+        if not self.is_used:
             return None
-        return max(self._next_probe - time.monotonic(), 0.0)
+        return max((self._next_check if self.is_available else self._next_probe) - time.monotonic(), 0.0)
+
+    async def check_idle(self, engines: EngineClients) -> grpc.aio.AioRpcError | None:
+        """While idle: GetInfo to an available drafter once ``idle_check_s`` has passed; returns
+        the error if it does not answer (the caller loses the drafter), else None."""
+        if not (self.is_used and self.is_available) or time.monotonic() < self._next_check:
+            return None
+        self._next_check = time.monotonic() + self.idle_check_s
+        try:
+            await engines.drafter.GetInfo(engine_pb2.EngineInfoRequest(), timeout=min(engines.timeout, self.retry_s))
+        except grpc.aio.AioRpcError as exc:
+            return exc
+        return None
 
     def note_released(self, request_ids: Iterable[str]) -> None:
         """Forget the refusals of released ids; remember ids released while the drafter is away
@@ -103,9 +121,13 @@ class DrafterLink:
             self.refuse(await add_committed(engines, running))
         except grpc.aio.AioRpcError as exc:
             self._next_probe = time.monotonic() + self.retry_s
-            logger.info("drafter still unavailable: %s", exc.code())
+            self._num_failed_probes += 1
+            if self._num_failed_probes & (self._num_failed_probes - 1) == 0:  # 1, 2, 4, 8, ...: not every retry_s forever
+                logger.info("drafter still unavailable after %d probes: %s", self._num_failed_probes, exc.code())
             return False
+        self._num_failed_probes = 0
         self._orphans.clear()
         self.is_available = True
+        self._next_check = time.monotonic() + self.idle_check_s
         logger.info("drafter is back; speculation resumes for %d running requests", len(running))
         return True

@@ -171,11 +171,14 @@ class Scheduler(StepLoop):
 
     # ------------------------------------------------------------------ sync and admission
     async def _sync(self) -> None:
-        """Release the KV of finished/aborted requests; probe a lost drafter when due."""
+        """Release the KV of finished/aborted requests; while idle, check that the drafter still
+        answers (``DrafterLink.check_idle``); probe a lost drafter when due."""
         if self._to_release:
             ids, self._to_release = sorted(self._to_release), set()
             self.drafter_link.note_released(ids)
             await self._release(ids)
+        if not self.running and (lost := await self.drafter_link.check_idle(self.engines)) is not None:
+            self._lose_drafter(lost)
         if self.drafter_link.is_due:
             await self.drafter_link.probe(self.engines, self._speculative(list(self.running.values())))
         self.metrics.is_drafter_available.set(int(self.is_drafter_available))  # also when idle

@@ -44,3 +44,24 @@ def test_a_drafter_back_while_idle_is_noticed_without_a_request() -> None:
             assert passes[0] == before
 
     asyncio.run(main())
+
+
+def test_a_drafter_that_dies_while_idle_reads_as_unavailable_without_a_request() -> None:
+    async def main():
+        async with Harness(mode="psd", max_num_seqs=2) as h:
+            link = h.scheduler.drafter_link
+            link.idle_check_s, link._next_check = 2 * RETRY_S, 0.0   # instead of the 5 s default
+            tokens, reason, _ = await h.generate("speculating", [3, 4], max_tokens=8)
+            assert reason == "length" and h.scheduler.is_drafter_available
+            gauge = h.scheduler.metrics.registry.get_sample_value
+            passes = _count_syncs(h.scheduler)
+            await asyncio.sleep(10 * RETRY_S)   # idle, drafter up: one pass per idle check, no busy loop
+            assert 2 <= passes[0] <= 8, passes
+            h.drafter.is_failing = True          # dies between requests
+            await wait_until(lambda: not h.scheduler.is_drafter_available, timeout_s=5)
+            assert gauge("minedraft:drafter_available") == 0
+            h.drafter.is_failing = False         # and comes back: the probe notices it
+            await wait_until(lambda: h.scheduler.is_drafter_available, timeout_s=5)
+            assert gauge("minedraft:drafter_available") == 1
+
+    asyncio.run(main())
