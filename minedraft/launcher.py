@@ -23,14 +23,14 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minedraft.child_exec import NO_CPUS
 from minedraft.capacity import check_memory
-from minedraft.stack import ServiceSpec, StackConfig, build_service_specs
+from minedraft.stack import ServiceSpec, StackConfig, build_service_specs, coordinator_spec
 
 POLL_S = 0.25
 NUM_LOG_TAIL_LINES = 40
@@ -177,8 +177,10 @@ class Stack:
 
     def restart(self, name: str, log=print) -> None:
         """Start service ``name`` again with its original command line (same port, same log file,
-        appended) after it exited, and wait until it is SERVING. Call it from a thread that lives
-        as long as the stack: PR_SET_PDEATHSIG fires when the *thread* that spawned a child exits.
+        appended) after it exited, and wait until it is SERVING; a coordinator whose drafter gave up
+        restarts in ``ar`` (it would otherwise wait for the drafter at start-up). Call it from a
+        thread that lives as long as the stack: PR_SET_PDEATHSIG fires when the *thread* that
+        spawned a child exits.
 
         Raises:
             StackError: it is still running, died again, or is not SERVING within ``startup_timeout_s``.
@@ -187,7 +189,11 @@ class Stack:
         old = self.services[index]
         if old.process.poll() is None:
             raise StackError(f"{name} is still running (pid {old.process.pid})")
-        self.services[index] = self._spawn(old.spec)
+        spec = old.spec
+        if name == "coordinator" and any(s.is_given_up and s.spec.name == "drafter" for s in self.services):
+            spec = coordinator_spec(replace(self.cfg, mode="ar", max_num_seqs=self.cfg.num_engine_slots))
+            log("the drafter gave up: the coordinator restarts in ar")
+        self.services[index] = self._spawn(spec)
         log(f"restarted {name} (pid {self.services[index].process.pid})")
         self._wait_serving(log)
 

@@ -99,3 +99,19 @@ def test_stop_does_not_signal_a_given_up_drafter(stack, monkeypatch):
     signalled.clear()
     stack.stop()
     assert signalled and all(process is not drafter for process, _ in signalled) and not stack.services
+
+
+def test_a_coordinator_restarted_after_the_drafter_gave_up_runs_in_ar(stack):
+    restarts = {}
+    _kill(stack, "coordinator")
+    restart_exited(stack, restarts, lambda line: None)
+    assert stack.service("coordinator").spec.argv == []          # before: its original command line
+    for _ in range(MAX_RESTARTS + 1):
+        _kill(stack, "drafter")
+        restart_exited(stack, restarts, lambda line: None)
+    _kill(stack, "coordinator")
+    lines = []
+    assert restart_exited(stack, restarts, lines.append) == ["coordinator"]
+    argv = stack.service("coordinator").spec.argv
+    assert argv[argv.index("--mode") + 1] == "ar" and any("restarts in ar" in line for line in lines)
+    assert argv[argv.index("--max-num-seqs") + 1] == str(stack.cfg.num_engine_slots)   # psd's 2m, all of them
