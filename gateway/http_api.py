@@ -106,13 +106,15 @@ async def _wait_disconnect(request: Request) -> None:
 
 def _body_error(error: dict) -> tuple[str, str | None]:
     """(message, OpenAI param) of a pydantic/FastAPI body error: the field path without union
-    branch tags (``prompt.function-after[...]``), and no param for JSON that does not parse."""
+    branch tags (``prompt.function-after[...]``) nor pydantic's "Value error, " prefix, and no param
+    for JSON that does not parse."""
     if error.get("type") == "json_invalid":
         detail = (error.get("ctx") or {}).get("error", "")
         return f"body: invalid JSON{': ' + detail if detail else ''}", None
     loc = [str(part) for part in error.get("loc", ())
            if part != "body" and (isinstance(part, int) or str(part).isidentifier())]
-    return f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid')}", loc[0] if loc else None
+    message = error.get("msg", "invalid").removeprefix("Value error, ")  # pydantic's prefix for a ValueError
+    return f"{'.'.join(loc) or 'body'}: {message}", loc[0] if loc else None
 
 
 def _reported_error(errors: list[dict]) -> dict:

@@ -3,7 +3,8 @@ HttpServer, tests/test_http_robustness.py) in front of the fake coordinator of t
 
 Checked: JSON ``true`` / ``false`` where a number is expected (every integer and float field, token
 ids in ``prompt`` and ``stop_token_ids``) is 400 naming the field, not read as 1 / 0; for ``prompt``
-(a union of string and token-id types) the message says so rather than "should be a valid string".
+(a union of string and token-id types) the message says so rather than "should be a valid string";
+a body error's message drops pydantic's "Value error, " prefix.
 Chat messages: a role the chat template cannot render (anything but system, user, assistant) is 400
 naming ``messages[i].role``; null content is 400 naming ``messages[i].content`` but in an assistant
 message with tool calls (as in OpenAI); content as a list of text parts is joined.
@@ -52,8 +53,14 @@ BOOLS = [  # (route, body, OpenAI param): each was served with true read as 1 (f
 def test_a_bool_where_a_number_is_expected_is_400_naming_the_field(port, route, body, param):
     error = _assert_400(port, route, body, param)
     assert "expected a number, got " in error["message"], error  # not a coincidental 400 (penalty, top_p 0)
+    assert "Value error" not in error["message"], error  # pydantic's prefix is dropped
     status, response = _post(port, "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2, "top_p": 1}))
     assert status == 200 and response["choices"][0]["text"] == "ok"  # numbers still pass (int for a float too)
+
+
+def test_body_error_message_reads_without_pydantic_prefix(port):
+    error = _assert_400(port, "completions", {"prompt": "hi", "max_tokens": True}, "max_tokens")
+    assert error["message"] == "max_tokens: expected a number, got true", error  # was "max_tokens: Value error, ..."
 
 
 def _chat(*messages: dict) -> dict:
