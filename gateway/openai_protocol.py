@@ -17,12 +17,18 @@ API, following vLLM's OpenAI server (https://docs.vllm.ai/en/latest/serving/open
   field, and text holding a lone UTF-16 surrogate (e.g. the JSON escape ``"\ud800"``).
 - JSON ``true`` / ``false`` is refused where a number is expected (pydantic's lax mode would read
   it as 1 / 0): ``"max_tokens": true`` and ``"prompt": [true, false]`` are 400 naming the field.
+- JSON ``null`` in an optional field means "not given" (its default), as in vLLM: ``"n": null``
+  is ``n`` 1, ``"stream": null`` is false.
+- Options this server does not implement are accepted at their no-op value and refused (400 naming
+  them) otherwise: ``response_format`` ``{"type": "text"}``, ``logit_bias`` ``{}``, ``best_of`` 1,
+  ``tool_choice`` ``"none"`` (or ``"auto"`` without ``tools``; non-empty ``tools`` are refused).
+  ``user``, ``parallel_tool_calls``, ``service_tier``, ``metadata`` and ``store`` are ignored.
 """
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from minedraft.v1 import common_pb2, generate_pb2
 
@@ -56,7 +62,24 @@ Number = Annotated[float, BeforeValidator(_not_bool)]
 
 
 class _Strict(BaseModel):
+    """Unknown fields are refused; ``null`` in a field with a default reads as the default."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data):
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: only ``{"type": "text"}`` is served; schema fields are not read."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Text
 
 
 class StreamOptions(_Strict):
@@ -81,6 +104,8 @@ class _SamplingFields(_Strict):
     user: str | None = None
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
+    logit_bias: dict[str, Number] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class TextPart(_Strict):
@@ -109,6 +134,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: Int32 | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: Int32 | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -118,12 +144,28 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: Int32 | None = None
+    tools: list | None = None
+    tool_choice: Text | dict | None = None
+    parallel_tool_calls: bool | None = None  # ignored, as are the three below
+    service_tier: Text | None = None
+    metadata: dict[str, Text] | None = None
+    store: bool | None = None
 
 
-def _sampling(body: _SamplingFields, max_tokens: int | None, num_top: int) -> common_pb2.SamplingParams:
+def _check_unserved(body: _SamplingFields) -> None:
+    """Refuses an option this server does not implement unless it has its no-op value."""
     if body.presence_penalty or body.frequency_penalty:
         field = "presence_penalty" if body.presence_penalty else "frequency_penalty"
         raise InvalidRequestError(field, "penalties are not served; use 0")
+    if body.logit_bias:
+        raise InvalidRequestError("logit_bias", "logit bias is not served; omit it or send {}")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise InvalidRequestError("response_format", "structured output is not served; only type 'text' is, "
+                                  f"got {body.response_format.type!r}")
+
+
+def _sampling(body: _SamplingFields, max_tokens: int | None, num_top: int) -> common_pb2.SamplingParams:
+    _check_unserved(body)
     if max_tokens is not None and max_tokens < 1:
         raise InvalidRequestError("max_tokens", f"must be >= 1, got {max_tokens}")
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -154,12 +196,14 @@ def completion_to_generate(body: CompletionRequest, request_id: str) -> generate
 
     Raises:
         InvalidRequestError: a field this server does not serve (batched prompt, echo, suffix,
-            penalties); value ranges are checked later by ``gateway.validation``.
+            best_of > 1, penalties); value ranges are checked later by ``gateway.validation``.
     """
     if body.echo:
         raise InvalidRequestError("echo", "echo is not served")
     if body.suffix:
         raise InvalidRequestError("suffix", "suffix is not served")
+    if body.best_of is not None and body.best_of != 1:
+        raise InvalidRequestError("best_of", f"only best_of=1 is served, got {body.best_of}")
     request = generate_pb2.GenerateRequest(
         request_id=request_id, model=body.model or "", n=body.n,
         sampling=_sampling(body, body.max_tokens, body.logprobs or 0))
@@ -179,16 +223,28 @@ def _check_contents(messages: list[ChatMessage]) -> None:
                                       "must not be null (null only in an assistant message with tool_calls)")
 
 
+def _check_tools(body: ChatCompletionRequest) -> None:
+    """Tools are not served: ``tool_choice`` may only say so ("none", or "auto" without tools)."""
+    choice = body.tool_choice
+    if choice not in (None, "none") and not (choice == "auto" and not body.tools):
+        shown = repr(choice) if isinstance(choice, str) else "an object"
+        raise InvalidRequestError("tool_choice", "tools are not served; only 'none' (or 'auto' without tools), "
+                                  f"got {shown}")
+    if body.tools:
+        raise InvalidRequestError("tools", "tools are not served")
+
+
 def chat_to_generate(body: ChatCompletionRequest, request_id: str) -> generate_pb2.GenerateRequest:
     """The public GenerateRequest of a chat completions body (messages rendered by the gateway's
     chat template). ``max_completion_tokens`` wins over the deprecated ``max_tokens``.
 
     Raises:
         InvalidRequestError: ``top_logprobs`` without ``logprobs``, null message content (but in an
-            assistant message with tool calls), or an unserved field.
+            assistant message with tool calls), tools, or an unserved field.
     """
     if body.top_logprobs and not body.logprobs:
         raise InvalidRequestError("top_logprobs", "requires logprobs: true")
+    _check_tools(body)
     _check_contents(body.messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     messages = generate_pb2.ChatMessages(
