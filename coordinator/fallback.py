@@ -81,7 +81,7 @@ class DrafterLink:
             return None
         self._next_check = time.monotonic() + self.idle_check_s
         try:
-            await engines.drafter.GetInfo(engine_pb2.EngineInfoRequest(), timeout=min(engines.timeout, self.retry_s))
+            await _ping(engines, min(engines.timeout, self.retry_s))
         except grpc.aio.AioRpcError as exc:
             return exc
         return None
@@ -115,7 +115,7 @@ class DrafterLink:
         """Try to bring the drafter back (see module docstring); returns True on success."""
         ids = sorted({r.request_id for r in running} | self._orphans)
         try:
-            await engines.drafter.GetInfo(engine_pb2.EngineInfoRequest(), timeout=engines.timeout)
+            await _ping(engines, engines.timeout)
             if ids:
                 await engines.release(engines.drafter, ids)
             self.refuse(await add_committed(engines, running))
@@ -131,3 +131,8 @@ class DrafterLink:
         self._next_check = time.monotonic() + self.idle_check_s
         logger.info("drafter is back; speculation resumes for %d running requests", len(running))
         return True
+
+
+async def _ping(engines: EngineClients, timeout_s: float) -> None:
+    """GetInfo to the drafter: returns if it answers, raises grpc.aio.AioRpcError if not."""
+    await engines.drafter.GetInfo(engine_pb2.EngineInfoRequest(), timeout=timeout_s)

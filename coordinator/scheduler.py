@@ -163,8 +163,8 @@ class Scheduler(StepLoop):
             await self._wait_for_work()
 
     async def _wait_for_work(self) -> None:
-        """Sleep until a request arrives; while the drafter is away, wake up when its probe is due
-        (so it is noticed back, ``drafter_available`` included, without a request)."""
+        """Sleep until a request arrives, or until the drafter's next probe (while it is away) or idle
+        check (while it is up) is due, so ``drafter_available`` follows it without a request."""
         self._wakeup.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wakeup.wait(), self.drafter_link.probe_wait_s)

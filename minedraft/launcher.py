@@ -212,7 +212,7 @@ class Stack:
         given-up service was reaped long ago: its pid may belong to another process by now, so it
         is not signalled."""
         deadline = time.monotonic() + self.cfg.stop_timeout_s
-        self.services = [s for s in self.services if not s.is_given_up]
+        self.services = self.watched
         for service in reversed(self.services):
             _signal_group(service.process, signal.SIGTERM)
             try:

@@ -1,4 +1,4 @@
-"""A local MineDraft stack: configuration, command line of each service, memory check (torch-free).
+"""Configuration of a local MineDraft stack and the command line of each service (torch-free).
 
 Used by ``minedraft up`` (``minedraft.launcher``) and the demo. Ports follow
 docs/ARCHITECTURE.md: gateway 50051, coordinator 50052, drafter 50053, verifier 50054,
