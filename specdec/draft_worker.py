@@ -3,6 +3,9 @@
 State contract (docs/ARCHITECTURE.md, "Terms"): per request, the KV holds some token list.
 ``draft`` first brings it to the committed sequence (keep the common prefix, feed the rest:
 *catch-up*), then runs k single-token steps; the KV ends holding ``committed + d_1..d_{k-1}``.
+With a per-request k_i (ragged rows) a request stops being fed once it has its k_i tokens, so
+its KV ends holding ``committed + d_1..d_{k_i-1}`` as if drafted alone with k = k_i (a request
+with k_i = 0 is not even caught up: its KV stays as it was, the next call catches it up).
 Imported as ``specdec.worker.DraftWorker`` too.
 """
 
@@ -66,19 +69,24 @@ class DraftWorker(Worker):
         return num_committed_tokens + k - 1 <= self.max_model_len
 
     def draft(self, request_ids: list[str], committed: list[tuple[int, list[int]]],
-              k: int) -> tuple[list[list[int]], torch.Tensor | None]:
-        """Catch up on the committed sequences, then draft k tokens per request.
+              k: int | list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Catch up on the committed sequences, then draft k_i tokens per request.
+
+        Ragged k: the batch runs ``max k_i`` single-token steps, and a request takes part in
+        the first k_i of them only (it is neither sampled nor fed after that), so its tokens,
+        its generator's draws and its KV are those of a call with k = k_i alone.
 
         Args:
             request_ids: b active requests.
             committed: b pairs ``(start_position, token_ids)``: the committed sequence from
                 ``start_position`` on; ``start_position`` must not exceed the length known from
                 earlier calls (prompt length at first).
-            k: number of draft tokens (>= 0).
+            k: number of draft tokens (>= 0), one for all or a list of b per-request k_i.
 
         Returns:
-            draft token ids [b][k] and draft probs q [b, k, target_vocab_size] float32 (None when
-            every request is greedy).
+            draft token ids, b rows of k_i ids, and draft probs q [b, max k_i, target_vocab_size]
+            float32, zero at positions >= k_i of row i (padding, never to be read); None when
+            every request is greedy.
 
         Raises:
             DraftCapacityError: some sequences would exceed the draft ``max_model_len``
@@ -86,19 +94,21 @@ class DraftWorker(Worker):
             KeyError / ValueError: unknown request, bad ``committed`` or ``k``.
         """
         states = self._states(request_ids)
-        if k < 0 or len(committed) != len(states):
-            raise ValueError(f"need k >= 0 and one committed entry per request, got k={k}, "
+        ks = [k] * len(states) if isinstance(k, int) else list(k)
+        if min(ks, default=0) < 0 or len(committed) != len(states) or len(ks) != len(states):
+            raise ValueError(f"need k >= 0 and one committed entry and k per request, got k={k}, "
                              f"{len(committed)} entries for {len(states)} requests")
         sequences = [_merge(s.committed, start, ids) for s, (start, ids) in zip(states, committed)]
-        too_long = [r for r, seq in zip(request_ids, sequences) if not self.can_draft(len(seq), k)]
+        too_long = [r for r, seq, k_i in zip(request_ids, sequences, ks) if not self.can_draft(len(seq), k_i)]
         if too_long:
             raise DraftCapacityError(too_long, self.max_model_len)
         for state, sequence in zip(states, sequences):
             state.committed = sequence
-        if k == 0:
+        rows = [row for row, k_i in enumerate(ks) if k_i > 0]
+        if not rows:
             return [[] for _ in states], None
-        last_logits = self._catch_up(states)
-        return self._draft_steps(states, last_logits, k)
+        last_logits = self._catch_up([states[row] for row in rows])
+        return self._draft_steps(states, rows, last_logits, ks)
 
     def _catch_up(self, states: list[RequestState]) -> torch.Tensor:
         """Truncate each KV to its common prefix with the committed sequence, feed the rest.
@@ -116,30 +126,32 @@ class DraftWorker(Worker):
                                            attributes={"minedraft.num_tokens": sum(map(len, fed))}):
             return self.runner.prefill([s.slot for s in states], fed)   # LM head on last tokens only
 
-    def _draft_steps(self, states: list[RequestState], last_logits: torch.Tensor,
-                     k: int) -> tuple[list[list[int]], torch.Tensor | None]:
-        """k single-token steps, sampling d_j ~ q_j with each request's draft generator."""
-        params = [s.params for s in states]
-        is_greedy = [p.is_greedy for p in params]
-        generators = [s.generator for s in states]
-        tokens, probs = [], []
-        for step in range(k):
+    def _draft_steps(self, states: list[RequestState], rows: list[int], last_logits: torch.Tensor,
+                     ks: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
+        """``max k_i`` single-token steps, sampling d_j ~ q_j with each request's draft generator;
+        ``rows`` are the requests still drafting (k_i > step), ``last_logits`` [len(rows), V]."""
+        is_greedy = [s.params.is_greedy for s in states]
+        tokens: list[list[int]] = [[] for _ in states]
+        steps: list[tuple[list[int], torch.Tensor]] = []                    # (rows, q [rows, V])
+        for step in range(max(ks)):
             with _tracer.start_as_current_span("draft.sample"):
-                q = logits_to_probs(last_logits.unsqueeze(1), params)[:, 0]   # [b, V_draft]
-                step_tokens = self._to_target_ids(sample_from_probs(q, is_greedy, generators))
-            tokens.append(step_tokens)
-            probs.append(q)
-            if step < k - 1:
-                with _tracer.start_as_current_span("draft.forward"):
-                    last_logits = self.runner.forward([s.slot for s in states],
-                                                      [[t] for t in step_tokens])[:, 0]
-                for state, token in zip(states, step_tokens):
-                    state.kv_token_ids.append(token)
-        draft_ids = [list(row) for row in zip(*tokens)]
+                q = logits_to_probs(last_logits.unsqueeze(1), [states[r].params for r in rows])[:, 0]
+                sampled = sample_from_probs(q, [is_greedy[r] for r in rows], [states[r].generator for r in rows])
+            for row, token in zip(rows, self._to_target_ids(sampled)):
+                tokens[row].append(token)
+            steps.append((rows, q))
+            fed = [i for i, row in enumerate(rows) if ks[row] > step + 1]
+            if not fed:
+                break
+            rows = [rows[i] for i in fed]
+            with _tracer.start_as_current_span("draft.forward"):
+                last_logits = self.runner.forward([states[r].slot for r in rows],
+                                                  [[tokens[r][-1]] for r in rows])[:, 0]
+            for row in rows:
+                states[row].kv_token_ids.append(tokens[row][-1])
         if all(is_greedy):
-            return draft_ids, None
-        q_all = torch.stack(probs, dim=1).float()                          # [b, k, V_draft]
-        return draft_ids, self._to_target_probs(q_all)
+            return tokens, None
+        return tokens, self._to_target_probs(_stack_ragged(steps, len(states)))
 
     def _to_target_ids(self, indices: torch.Tensor) -> list[int]:
         """Sampled draft logit indices [b] -> target token ids."""
@@ -154,6 +166,16 @@ class DraftWorker(Worker):
             return torch.nn.functional.pad(q_all, (0, pad)) if pad else q_all
         out = q_all.new_zeros(*q_all.shape[:-1], self.target_vocab_size)
         return out.index_copy_(-1, self.vocab_ids.to(q_all.device), q_all)
+
+
+def _stack_ragged(steps: list[tuple[list[int], torch.Tensor]], batch_size: int) -> torch.Tensor:
+    """[b, num_steps, V] float32 draft probs from per-step (rows, q [rows, V]); zero where a row
+    did not draft (its positions >= k_i)."""
+    first = steps[0][1]
+    out = first.new_zeros(batch_size, len(steps), first.shape[-1], dtype=torch.float32)
+    for step, (rows, q) in enumerate(steps):
+        out[torch.tensor(rows, device=out.device), step] = q.float()
+    return out
 
 
 def _merge(known: list[int], start: int, token_ids: list[int]) -> list[int]:

@@ -61,10 +61,12 @@ def fixed_acceptance_sample(
     generators: list[torch.Generator],     # b per-request generators (final token of sampled rows)
     acceptance_prob: float,                # P in [0, 1]
     bench_generator: torch.Generator,      # CPU generator of the accept/reject draws
+    num_draft_tokens: torch.Tensor | None = None,  # [b] int64 k_i in [0, k]; None: k for all
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept each draft with probability P (first rejection ends the row), then the target's token.
 
-    Consumes ``b * k`` uniforms of ``bench_generator`` per call, and one uniform of a sampled
+    Row i accepts at most its k_i drafts (positions >= k_i are padding); with all k_i accepted
+    its last token comes from p_{k_i+1}. Consumes ``b * k`` uniforms of ``bench_generator`` per call, and one uniform of a sampled
     row's own generator (``specdec.sampling.sample_from_probs``); greedy rows use none of theirs.
 
     Returns:
@@ -85,7 +87,10 @@ def fixed_acceptance_sample(
         raise ValueError(f"need is_greedy [{batch_size}] and {batch_size} generators, "
                          f"got {tuple(is_greedy.shape)} and {len(generators)}")
     uniforms = torch.rand(batch_size, k, dtype=_UNIFORM_DTYPE, generator=bench_generator)
-    num_accepted = (uniforms < acceptance_prob).to(torch.int64).cumprod(dim=-1).sum(dim=-1)   # [b]
+    is_accepted = uniforms < acceptance_prob
+    if num_draft_tokens is not None:
+        is_accepted &= torch.arange(k).unsqueeze(0) < num_draft_tokens.cpu().unsqueeze(1)
+    num_accepted = is_accepted.to(torch.int64).cumprod(dim=-1).sum(dim=-1)   # [b]
     rows = torch.arange(batch_size)
     final_probs = target_probs[rows.to(target_probs.device), num_accepted.to(target_probs.device)]
     final_token = sample_from_probs(final_probs, is_greedy.tolist(), generators).cpu()     # [b]

@@ -10,14 +10,24 @@ Terms (as in vLLM's ``RejectionSampler``):
   distribution ``norm(max(0, p_i - q_i))``; it replaces d_i.
 - *bonus token*: when all k draft tokens are accepted, one extra token sampled from p_{k+1}.
 
+Ragged rows: ``num_draft_tokens[i] = k_i`` (0 <= k_i <= k) gives row i its own number of draft
+tokens; positions ``>= k_i`` of ``draft_token_ids`` / ``draft_probs`` / ``target_probs`` are
+padding and never read (any values). Row i's acceptance chain stops at k_i, and when all k_i
+drafts are accepted its bonus token is sampled from ``target_probs[i, k_i]`` (p_{k_i+1}). A
+ragged row gives exactly the result of the rectangular call on that row truncated to k_i
+columns (same tokens, same generator consumption). Losslessness holds for every k_i and any
+draft (Leviathan et al. 2023, Theorem 1, applied per row).
+
 So each row commits ``num_accepted + 1`` tokens: the accepted drafts then one recovered or bonus
 token, and its output is distributed exactly as the target model sampling alone.
 Greedy rows (temperature 0) accept while ``d_i == argmax p_i`` and then emit the target argmax.
 
-Randomness: a sampled row consumes, from its own generator, exactly k + 1 uniform draws per call
-(k acceptance tests, then one for the recovered or bonus token, drawn by inverse transform
-sampling), whatever is accepted; a greedy row consumes nothing. So a seeded
-request gets the same tokens alone or in any batch.
+Randomness: a sampled row i consumes, from its own generator, exactly k_i + 1 uniform draws
+per call (k_i = k without ``num_draft_tokens``): draws 0..k_i-1 are the acceptance tests of
+positions 1..k_i, draw k_i locates the recovered or bonus token (inverse transform sampling),
+whatever is accepted; a greedy row consumes nothing. The draws depend only on the row's own
+k_i, never on the batch's k or on other rows, so a seeded request gets the same tokens alone or
+in any batch, padded or not.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import torch
 from specdec.sampling import inverse_cdf_sample, uniform_noise
 
 PLACEHOLDER_TOKEN_ID = -1
-"""Pads ``output_token_ids`` past the committed tokens of a row."""
+"""Pads ``output_token_ids`` past the committed tokens of a row (and may pad draft rows)."""
 
 
 def _check_shapes(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -50,27 +60,55 @@ def _check_shapes(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | Non
                          f"{is_greedy.dtype} {tuple(is_greedy.shape)}")
     if len(generators) != batch_size:
         raise ValueError(f"need {batch_size} generators, got {len(generators)}")
-    if k > 0 and (draft_token_ids.min() < 0 or draft_token_ids.max() >= vocab_size):
+
+
+def _row_lengths(num_draft_tokens: torch.Tensor | None, draft_token_ids: torch.Tensor,
+                 vocab_size: int) -> torch.Tensor:
+    """[b] int64 k_i of each row (k for every row when ``num_draft_tokens`` is None), checked;
+    also checks that the real draft tokens (positions < k_i) lie in [0, V)."""
+    batch_size, k = draft_token_ids.shape
+    if num_draft_tokens is None:
+        num_draft_tokens = torch.full((batch_size,), k, dtype=torch.int64)
+    elif (num_draft_tokens.dim() != 1 or num_draft_tokens.shape[0] != batch_size
+          or num_draft_tokens.dtype != torch.int64):
+        raise ValueError(f"num_draft_tokens must be int64 [{batch_size}], got "
+                         f"{num_draft_tokens.dtype} {tuple(num_draft_tokens.shape)}")
+    elif batch_size and (int(num_draft_tokens.min()) < 0 or int(num_draft_tokens.max()) > k):
+        raise ValueError(f"num_draft_tokens must lie in [0, k={k}], got {num_draft_tokens.tolist()}")
+    lengths = num_draft_tokens.to(draft_token_ids.device)
+    is_real = _real_positions(lengths, k)
+    real_ids = draft_token_ids[is_real]
+    if real_ids.numel() and (int(real_ids.min()) < 0 or int(real_ids.max()) >= vocab_size):
         raise ValueError(f"draft_token_ids must lie in [0, {vocab_size})")
+    return lengths
 
 
-def _draw_noise(is_greedy: torch.Tensor, generators: list[torch.Generator], k: int,
-                device: torch.device) -> torch.Tensor:
-    """[b, k + 1] float64 uniforms per row: k acceptance tests, then the final token's draw
-    (zeros for greedy rows, which draw nothing)."""
-    uniforms = torch.zeros(len(generators), k + 1, dtype=torch.float64)
-    for row, generator in enumerate(generators):
+def _real_positions(lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """[b, k] bool: True at the positions < k_i of each row (its real draft tokens)."""
+    return torch.arange(k, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
+
+
+def _draw_noise(is_greedy: torch.Tensor, generators: list[torch.Generator], lengths: list[int],
+                k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row k_i + 1 uniforms of its generator (module docstring): ([b, k] float64 acceptance
+    draws, zero past k_i; [b] float64 final-token draws). Greedy rows draw nothing (zeros)."""
+    tests = torch.zeros(len(generators), k, dtype=torch.float64)
+    finals = torch.zeros(len(generators), dtype=torch.float64)
+    for row, (generator, length) in enumerate(zip(generators, lengths)):
         if not bool(is_greedy[row]):
-            uniforms[row] = uniform_noise(k + 1, generator)
-    return uniforms.to(device)
+            draws = uniform_noise(length + 1, generator)
+            tests[row, :length] = draws[:length]
+            finals[row] = draws[length]
+    return tests.to(device), finals.to(device)
 
 
 def _accept_mask(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                  target_probs: torch.Tensor, is_greedy: torch.Tensor,
-                 uniforms: torch.Tensor) -> torch.Tensor:
-    """[b, k] bool: is each draft token accepted on its own (before the first-rejection cut)."""
+                 uniforms: torch.Tensor, is_real: torch.Tensor) -> torch.Tensor:
+    """[b, k] bool: is each draft token accepted on its own (before the first-rejection cut);
+    False at padded positions, so a row's chain stops at its k_i."""
     k = draft_token_ids.shape[1]
-    index = draft_token_ids.unsqueeze(-1)
+    index = torch.where(is_real, draft_token_ids, 0).unsqueeze(-1)   # padding may hold any id
     p_draft = target_probs[:, :k].gather(-1, index).squeeze(-1).to(torch.float64)
     if draft_probs is None:  # deterministic drafter: q is one-hot on the draft token
         q_draft = torch.ones_like(p_draft)
@@ -78,32 +116,35 @@ def _accept_mask(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None
         q_draft = draft_probs.gather(-1, index).squeeze(-1).to(torch.float64)
     # u < p/q written without division: q = 0 < p accepts, p = 0 never accepts.
     sampled_accept = uniforms * q_draft < p_draft
-    greedy_accept = draft_token_ids == target_probs[:, :k].argmax(dim=-1)
-    return torch.where(is_greedy.unsqueeze(-1), greedy_accept, sampled_accept)
+    greedy_accept = index.squeeze(-1) == target_probs[:, :k].argmax(dim=-1)
+    return torch.where(is_greedy.unsqueeze(-1), greedy_accept, sampled_accept) & is_real
 
 
 def _final_distribution(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
-                        target_probs: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
-    """[b, V] unnormalised distribution of the recovered (a < k) or bonus (a == k) token."""
+                        target_probs: torch.Tensor, num_accepted: torch.Tensor,
+                        lengths: torch.Tensor) -> torch.Tensor:
+    """[b, V] unnormalised distribution of the recovered (a < k_i: residual of p_a and q_a) or
+    bonus (a == k_i: p_{k_i+1} itself) token."""
     batch_size, k = draft_token_ids.shape
     rows = torch.arange(batch_size, device=target_probs.device)
     p_final = target_probs[rows, num_accepted].to(torch.float64)
     if k == 0:
         return p_final
+    at = num_accepted.clamp(max=k - 1)                    # position of the rejected draft
     if draft_probs is None:
-        q_steps = torch.zeros_like(target_probs[:, :k], dtype=torch.float64)
-        q_steps.scatter_(-1, draft_token_ids.unsqueeze(-1), 1.0)
+        q_final = torch.zeros_like(p_final)
+        q_final[rows, draft_token_ids[rows, at].clamp(min=0)] = 1.0
     else:
-        q_steps = draft_probs.to(torch.float64)
-    q_padded = torch.cat([q_steps, torch.zeros_like(p_final).unsqueeze(1)], dim=1)
-    residual = (p_final - q_padded[rows, num_accepted]).clamp_(min=0.0)
+        q_final = draft_probs[rows, at].to(torch.float64)
+    is_bonus = (num_accepted == lengths).unsqueeze(-1)
+    residual = (p_final - torch.where(is_bonus, 0.0, q_final)).clamp_(min=0.0)
     # p == q exactly means acceptance was certain; guard rounding with p itself.
     is_empty = residual.sum(dim=-1, keepdim=True) <= 0.0
     return torch.where(is_empty, p_final, residual)
 
 
 def rejection_sample(
-    # [b, k] int64: draft tokens d_1..d_k per request
+    # [b, k] int64: draft tokens d_1..d_k per request (positions >= num_draft_tokens[i]: padding)
     draft_token_ids: torch.Tensor,
     # [b, k, V] float: draft distributions q_1..q_k the drafts were sampled from; None means
     # a deterministic drafter (q one-hot on d_i), e.g. an all-greedy batch
@@ -114,27 +155,33 @@ def rejection_sample(
     is_greedy: torch.Tensor,
     # b per-request generators (CPU), consumed as described in the module docstring
     generators: list[torch.Generator],
+    # [b] int64 in [0, k]: k_i, the number of real draft tokens of each row; None: k for all
+    num_draft_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify k draft tokens per request against the target model (Leviathan et al. 2023, Alg. 1).
+    """Verify k_i draft tokens per request against the target model (Leviathan et al. 2023,
+    Alg. 1; lossless for any draft and any k_i by their Theorem 1).
 
     Returns:
         output_token_ids: [b, k + 1] int64: row i holds its ``num_accepted[i]`` accepted draft
             tokens, then the recovered or bonus token, then ``PLACEHOLDER_TOKEN_ID`` padding.
-        num_accepted: [b] int64 number of accepted draft tokens, in [0, k].
+        num_accepted: [b] int64 number of accepted draft tokens, in [0, k_i].
 
     Raises:
-        ValueError: when a shape, dtype, generator count or token id is inconsistent.
+        ValueError: when a shape, dtype, generator count, token id or ``num_draft_tokens``
+            (shape, dtype, value outside [0, k]) is inconsistent.
     """
     _check_shapes(draft_token_ids, draft_probs, target_probs, is_greedy, generators)
     batch_size, k = draft_token_ids.shape
     device = target_probs.device
-    uniforms = _draw_noise(is_greedy, generators, k, device)
-    accepted = _accept_mask(draft_token_ids, draft_probs, target_probs, is_greedy, uniforms[:, :k])
+    lengths = _row_lengths(num_draft_tokens, draft_token_ids, target_probs.shape[2]).to(device)
+    is_real = _real_positions(lengths, k)
+    tests, finals = _draw_noise(is_greedy, generators, lengths.tolist(), k, device)
+    accepted = _accept_mask(draft_token_ids, draft_probs, target_probs, is_greedy, tests, is_real)
     num_accepted = accepted.to(torch.int64).cumprod(dim=-1).sum(dim=-1)
-    final = _final_distribution(draft_token_ids, draft_probs, target_probs, num_accepted)
+    final = _final_distribution(draft_token_ids, draft_probs, target_probs, num_accepted, lengths)
     rows = torch.arange(batch_size, device=device)
     greedy_token = target_probs[rows, num_accepted].argmax(dim=-1)
-    final_token = torch.where(is_greedy, greedy_token, inverse_cdf_sample(final, uniforms[:, k]))
+    final_token = torch.where(is_greedy, greedy_token, inverse_cdf_sample(final, finals))
     positions = torch.arange(k + 1, device=device).unsqueeze(0)
     output = torch.full((batch_size, k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64,
                         device=device)

@@ -76,57 +76,70 @@ class TargetWorker(Worker):
 
     def verify(self, request_ids: list[str], draft_token_ids: list[list[int]],
                draft_probs: torch.Tensor | None) -> list[StepOutput]:
-        """Score ``[pending, d_1..d_k]`` per request, rejection-sample, commit, roll back the KV.
+        """Score ``[pending, d_1..d_{k_i}]`` per request, rejection-sample, commit, roll back the KV.
+
+        Rows may be ragged: row i carries its own k_i = ``len(draft_token_ids[i])`` (0: decode).
+        Each row feeds only its k_i + 1 real tokens (``ModelRunner.forward`` takes ragged rows;
+        its padding is never written to the KV), so a short row costs no verify work for the
+        positions it lacks; the logits past a row's k_i + 1 positions are ignored.
 
         Args:
             request_ids: b active requests.
-            draft_token_ids: [b][k] draft tokens (the same k for every row; k = 0: decode).
-            draft_probs: [b, k, V] draft distributions the drafts were sampled from, or None
-                for a deterministic (greedy) drafter.
+            draft_token_ids: b rows of draft tokens, row i of length k_i (k = max k_i).
+            draft_probs: [b, k', V] draft distributions the drafts were sampled from (k' >= k;
+                positions >= k_i of row i are padding and never read), or None for a
+                deterministic (greedy) drafter.
 
         Returns:
-            b StepOutputs, each with ``num_accepted + 1`` committed tokens.
+            b StepOutputs, each with ``num_accepted + 1`` committed tokens (num_accepted <= k_i).
 
         Raises:
-            KeyError: unknown request. ValueError: ragged k or bad shapes.
+            KeyError: unknown request. ValueError: bad shapes.
             CapacityError: the target KV would exceed ``max_model_len`` (no state changed).
         """
         states = self._states(request_ids)
         if len(draft_token_ids) != len(states):
             raise ValueError(f"draft_token_ids has {len(draft_token_ids)} rows for "
                              f"{len(states)} requests")
-        k = len(draft_token_ids[0]) if draft_token_ids else 0
-        if any(len(row) != k for row in draft_token_ids):
-            raise ValueError("draft_token_ids must have the same k for every request")
+        lengths = [len(row) for row in draft_token_ids]
+        k = max(lengths, default=0)
+        if draft_probs is not None and (draft_probs.dim() != 3 or draft_probs.shape[0] != len(states)
+                                        or draft_probs.shape[1] < k):
+            raise ValueError(f"draft_probs must be [{len(states)}, >= {k}, V], got {tuple(draft_probs.shape)}")
         slots = [s.slot for s in states]
         kv_lens = [self.runner.seq_len(slot) for slot in slots]
         fed = [[s.pending_token_id, *row] for s, row in zip(states, draft_token_ids)]
         with _tracer.start_as_current_span("target.forward", attributes={"minedraft.batch_size": len(states),
                                                                           "minedraft.k": k}):
-            logits = self.runner.forward(slots, fed)[:, : k + 1]            # [b, k + 1, V]
+            logits = _mask_padding(self.runner.forward(slots, fed)[:, : k + 1], lengths)  # [b, k + 1, V]
         with _tracer.start_as_current_span("target.rejection_sample"):
             device = logits.device                         # the sampler runs where the logits are
-            draft_ids = torch.tensor(draft_token_ids, dtype=torch.int64, device=device).view(len(states), k)
-            output, num_accepted = self._sample(states, draft_ids, draft_probs, logits)
+            padded = [row + [PLACEHOLDER_TOKEN_ID] * (k - len(row)) for row in draft_token_ids]
+            draft_ids = torch.tensor(padded, dtype=torch.int64, device=device).view(len(states), k)
+            num_draft = torch.tensor(lengths, dtype=torch.int64, device=device)
+            probs = None if draft_probs is None else draft_probs[:, :k]
+            output, num_accepted = self._sample(states, draft_ids, probs, logits, num_draft)
             output, num_accepted = output.cpu(), num_accepted.cpu()   # one device sync per step
         logprobs = logits.log_softmax(dim=-1)
         return [self._commit(rid, state, kv_len, output[row], int(num_accepted[row]), logprobs[row])
                 for row, (rid, state, kv_len) in enumerate(zip(request_ids, states, kv_lens))]
 
     def _sample(self, states: list[RequestState], draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
-                logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(output [b, k + 1], num_accepted [b]) of the rejection sampler; an all-greedy batch
-        takes ``greedy_verify`` (same tokens, no probabilities built)."""
+                logits: torch.Tensor, num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output [b, k + 1], num_accepted [b]) of the rejection sampler for rows of k_i =
+        ``num_draft`` [b] draft tokens; an all-greedy batch takes ``greedy_verify`` (same
+        tokens, no probabilities built)."""
         is_greedy = torch.tensor([s.params.is_greedy for s in states], dtype=torch.bool, device=logits.device)
         if self.fixed_acceptance is None and bool(is_greedy.all()):
-            return greedy_verify(draft_ids, logits)
+            return greedy_verify(draft_ids, logits, num_draft)
         target_probs = logits_to_probs(logits, [s.params for s in states])
         generators = [s.generator for s in states]
         if self.fixed_acceptance is not None:   # BENCHMARK-ONLY: not the target's distribution
             return fixed_acceptance_sample(draft_ids, target_probs, is_greedy, generators,
-                                           self.fixed_acceptance.acceptance_prob, self._bench_generator)
+                                           self.fixed_acceptance.acceptance_prob, self._bench_generator,
+                                           num_draft)
         return rejection_sample(draft_ids, None if draft_probs is None else draft_probs.to(target_probs),
-                                target_probs, is_greedy, generators)
+                                target_probs, is_greedy, generators, num_draft)
 
     def _commit(self, request_id: str, state: RequestState, kv_len: int, output: torch.Tensor,
                 num_accepted: int, logprobs: torch.Tensor) -> StepOutput:
@@ -140,19 +153,36 @@ class TargetWorker(Worker):
                           top_logprobs(logprobs[: num_accepted + 1], state.params.logprobs))
 
 
-def greedy_verify(draft_ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rejection_sample`` for an all-greedy batch, straight from the logits: accept while
-    ``d_i == argmax p_i``, then emit the target argmax (Leviathan et al. 2023 at temperature 0;
-    the same tokens as the full sampler with one-hot target probs, which greedy rows draw no
-    randomness for), without building ``[b, k + 1, V]`` probabilities (issue 8 CPU profile).
+def _mask_padding(logits: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Zero the logits [b, k + 1, V] at positions past each row's k_i + 1 fed tokens (junk from
+    the runner's padding; never read, zeroed so no NaN or inf can reach a sampler's kernels)."""
+    k = logits.shape[1] - 1
+    if all(length == k for length in lengths):
+        return logits
+    fed = torch.tensor(lengths, device=logits.device).unsqueeze(1) + 1
+    is_fed = torch.arange(k + 1, device=logits.device).unsqueeze(0) < fed        # [b, k + 1]
+    return logits.masked_fill(~is_fed.unsqueeze(-1), 0.0)
 
-    Shapes: draft_ids ``[b, k]`` int64, logits ``[b, k + 1, V]``; returns output ``[b, k + 1]``
-    int64 (accepted drafts, then the recovered/bonus token, then ``PLACEHOLDER_TOKEN_ID``) and
-    num_accepted ``[b]`` int64.
+
+def greedy_verify(draft_ids: torch.Tensor, logits: torch.Tensor,
+                  num_draft_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rejection_sample`` for an all-greedy batch, straight from the logits: accept while
+    ``d_i == argmax p_i`` (at most k_i), then emit the target argmax (Leviathan et al. 2023 at
+    temperature 0; the same tokens as the full sampler with one-hot target probs, which greedy
+    rows draw no randomness for), without building ``[b, k + 1, V]`` probabilities (issue 8 CPU
+    profile).
+
+    Shapes: draft_ids ``[b, k]`` int64 (positions >= k_i: padding), logits ``[b, k + 1, V]``,
+    num_draft_tokens ``[b]`` int64 k_i in [0, k] (None: k for every row); returns output
+    ``[b, k + 1]`` int64 (accepted drafts, then the recovered/bonus token, then
+    ``PLACEHOLDER_TOKEN_ID``) and num_accepted ``[b]`` int64.
     """
     target_ids = logits.argmax(dim=-1)                                   # [b, k + 1]
     k = draft_ids.shape[1]
-    num_accepted = (draft_ids == target_ids[:, :k]).to(torch.int64).cumprod(dim=-1).sum(dim=-1)
+    is_match = draft_ids == target_ids[:, :k]
+    if num_draft_tokens is not None:
+        is_match &= torch.arange(k, device=logits.device).unsqueeze(0) < num_draft_tokens.unsqueeze(1)
+    num_accepted = is_match.to(torch.int64).cumprod(dim=-1).sum(dim=-1)
     positions = torch.arange(k + 1, device=logits.device).unsqueeze(0)
     output = torch.where(positions <= num_accepted.unsqueeze(1), target_ids, PLACEHOLDER_TOKEN_ID)
     return output, num_accepted

@@ -94,12 +94,14 @@ def test_top_logprobs_of_first_accepted_recovered_and_bonus_tokens_match_plain_f
     assert worker.add_request("b", prompt, GREEDY).top_logprobs == []  # not asked: not computed
 
 
-def test_verify_rejects_ragged_k_and_unknown_ids(tiny_llama):
+def test_verify_rejects_bad_rows_and_unknown_ids(tiny_llama):
     worker = TargetWorker(_runner(tiny_llama))
     worker.add_request("a", PROMPTS[0], GREEDY)
     worker.add_request("b", PROMPTS[1], GREEDY)
-    with pytest.raises(ValueError, match="same k"):
-        worker.verify(["a", "b"], [[1], [1, 2]], None)
+    with pytest.raises(ValueError, match="draft_token_ids has 1 rows"):
+        worker.verify(["a", "b"], [[1]], None)
+    with pytest.raises(ValueError, match="draft_probs"):
+        worker.verify(["a", "b"], [[1], [1, 2]], torch.rand(2, 1, worker.runner.vocab_size))
     with pytest.raises(KeyError):
         worker.verify(["zz"], [[]], None)
     with pytest.raises(ValueError, match="already active"):
