@@ -108,7 +108,7 @@ def _accept_mask(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None
     """[b, k] bool: is each draft token accepted on its own (before the first-rejection cut);
     False at padded positions, so a row's chain stops at its k_i."""
     k = draft_token_ids.shape[1]
-    index = torch.where(is_real, draft_token_ids, 0).unsqueeze(-1)   # padding may hold any id
+    index = draft_token_ids.unsqueeze(-1)
     p_draft = target_probs[:, :k].gather(-1, index).squeeze(-1).to(torch.float64)
     if draft_probs is None:  # deterministic drafter: q is one-hot on the draft token
         q_draft = torch.ones_like(p_draft)
@@ -116,7 +116,7 @@ def _accept_mask(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None
         q_draft = draft_probs.gather(-1, index).squeeze(-1).to(torch.float64)
     # u < p/q written without division: q = 0 < p accepts, p = 0 never accepts.
     sampled_accept = uniforms * q_draft < p_draft
-    greedy_accept = index.squeeze(-1) == target_probs[:, :k].argmax(dim=-1)
+    greedy_accept = draft_token_ids == target_probs[:, :k].argmax(dim=-1)
     return torch.where(is_greedy.unsqueeze(-1), greedy_accept, sampled_accept) & is_real
 
 
@@ -133,7 +133,7 @@ def _final_distribution(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor
     at = num_accepted.clamp(max=k - 1)                    # position of the rejected draft
     if draft_probs is None:
         q_final = torch.zeros_like(p_final)
-        q_final[rows, draft_token_ids[rows, at].clamp(min=0)] = 1.0
+        q_final[rows, draft_token_ids[rows, at]] = 1.0
     else:
         q_final = draft_probs[rows, at].to(torch.float64)
     is_bonus = (num_accepted == lengths).unsqueeze(-1)
@@ -176,9 +176,10 @@ def rejection_sample(
     lengths = _row_lengths(num_draft_tokens, draft_token_ids, target_probs.shape[2]).to(device)
     is_real = _real_positions(lengths, k)
     tests, finals = _draw_noise(is_greedy, generators, lengths.tolist(), k, device)
-    accepted = _accept_mask(draft_token_ids, draft_probs, target_probs, is_greedy, tests, is_real)
+    safe_ids = torch.where(is_real, draft_token_ids, 0)       # padding may hold any id
+    accepted = _accept_mask(safe_ids, draft_probs, target_probs, is_greedy, tests, is_real)
     num_accepted = accepted.to(torch.int64).cumprod(dim=-1).sum(dim=-1)
-    final = _final_distribution(draft_token_ids, draft_probs, target_probs, num_accepted, lengths)
+    final = _final_distribution(safe_ids, draft_probs, target_probs, num_accepted, lengths)
     rows = torch.arange(batch_size, device=device)
     greedy_token = target_probs[rows, num_accepted].argmax(dim=-1)
     final_token = torch.where(is_greedy, greedy_token, inverse_cdf_sample(final, finals))
