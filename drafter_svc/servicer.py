@@ -34,6 +34,7 @@ from specdec.tensor_proto import tensor_to_proto
 WARMUP_REQUEST_ID = "__minedraft_warmup__"
 WARMUP_NUM_TOKENS = 4
 WARMUP_K = 2
+PADDING_TOKEN_ID = -1  # DraftResponse.draft_token_ids past a row's k_i
 _tracer = trace.get_tracer("minedraft.drafter")
 
 
@@ -68,25 +69,29 @@ class DrafterServicer(engine_pb2_grpc.DrafterServicer):
         self._request_ids.update(rid for rid, _, _ in seqs)
 
     def _draft(self, request: engine_pb2.DraftRequest, plane: int) -> engine_pb2.DraftResponse:
+        """Draft k_i tokens per seq (``DraftSeq.num_draft_tokens``, default k) in one call; the
+        response's ids [b, k] are -1 and its probs [b, k, V] zero past each row's k_i, and
+        ``num_draft_tokens`` lists the k_i (the dist/ipc planes get them with the probs)."""
         request_ids = [seq.request_id for seq in request.seqs]
         check_unique_ids(request_ids)
         k = request.num_speculative_tokens
-        if k < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
+        ks = _row_ks(request)
         committed = [(seq.start_position, list(seq.token_ids)) for seq in request.seqs]
         start = time.perf_counter()
         with _tracer.start_as_current_span("drafter.draft", attributes={"minedraft.batch_size": len(request_ids),
                                                                         "minedraft.k": k}):
-            token_ids, probs = self.worker.draft(request_ids, committed, k)
-        response = engine_pb2.DraftResponse(step_id=request.step_id, draft_ms=elapsed_ms(start))
-        ids = torch.tensor(token_ids, dtype=torch.int32).view(len(request_ids), k)
+            token_ids, probs = self.worker.draft(request_ids, committed, ks)
+        response = engine_pb2.DraftResponse(step_id=request.step_id, draft_ms=elapsed_ms(start), num_draft_tokens=ks)
+        padded = [row + [PADDING_TOKEN_ID] * (k - len(row)) for row in token_ids]
+        ids = torch.tensor(padded, dtype=torch.int32).view(len(request_ids), k)
         response.draft_token_ids.CopyFrom(tensor_to_proto(ids))
         if probs is not None:
+            probs = torch.nn.functional.pad(probs, (0, 0, 0, k - probs.shape[1])) if probs.shape[1] < k else probs
             start = time.perf_counter()
             with _tracer.start_as_current_span("drafter.data_plane_send",
                                                attributes={"minedraft.bytes": probs.numel() * probs.element_size()}):
                 if plane == engine_pb2.DATA_PLANE_DIST:
-                    self.probs_server.publish(request.step_id, request_ids, probs)
+                    self.probs_server.publish(request.step_id, request_ids, probs, ks)
                 else:
                     response.draft_probs.CopyFrom(tensor_to_proto(probs))
             response.has_draft_probs = True
@@ -151,3 +156,13 @@ class DrafterServicer(engine_pb2_grpc.DrafterServicer):
         await self._check_ready(context)
         return engine_info(self.worker.runner, self.model_name, set(self._request_ids))
 
+
+def _row_ks(request: engine_pb2.DraftRequest) -> list[int]:
+    """k_i of each seq (``num_draft_tokens``, or k when unset). Raises ValueError outside [0, k]."""
+    k = request.num_speculative_tokens
+    if k < 0:
+        raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
+    ks = [seq.num_draft_tokens if seq.HasField("num_draft_tokens") else k for seq in request.seqs]
+    if any(not 0 <= k_i <= k for k_i in ks):
+        raise ValueError(f"num_draft_tokens must lie in [0, num_speculative_tokens={k}], got {ks}")
+    return ks

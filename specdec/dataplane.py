@@ -24,7 +24,8 @@ Protocol of the dist plane ("send only on demand", so a send can never be left u
    the request as TCPStore key ``fetch/<n>`` = ``draft_step_id`` (n counts requests), then
    receives over the gloo group ``int64[6] = [status, num_id_bytes, dtype_code, b, k, V]``;
    if status is FOUND it then receives the request ids (utf-8, NUL-separated,
-   uint8[num_id_bytes]) and the probs: NCCL ``dtype[b, k, V]`` on its device, or gloo raw
+   uint8[num_id_bytes]), each row's number of draft tokens k_i (``int64[b]``; ragged rows:
+   probs past k_i are zero padding; the verifier checks them against its Verify) and the probs: NCCL ``dtype[b, k, V]`` on its device, or gloo raw
    bytes uint8[b*k*V*itemsize], exact dtype either way. The drafter's serving thread waits on the store key, answers, and removes the
    entry from the buffer. The verifier keeps the rows of the
    request ids it verifies (a request aborted between draft and verify is simply not asked
@@ -52,24 +53,9 @@ from specdec import dataplane_nccl as nccl
 logger = logging.getLogger(__name__)
 
 from specdec.dataplane_common import (  # noqa: F401 (re-exported: the plane's public names)
-    DEFAULT_DIST_ADDR,
-    DEFAULT_DIST_PORT,
-    DRAFTER_RANK,
-    VERIFIER_RANK,
-    WORLD_SIZE,
-    REQUEST_KEY_PREFIX,
-    CLOSE_REQUEST,
-    _IDLE_WAIT,
-    STATUS_MISSING,
-    STATUS_FOUND,
-    ID_SEPARATOR,
-    check_probs,
-    _HEADER_LEN,
-    _OP_TIMEOUT,
-    _DTYPE_CODES,
-    DraftProbsMissingError,
-    DataPlaneUnavailableError,
-    DistPlaneConfig,
+    DEFAULT_DIST_ADDR, DEFAULT_DIST_PORT, DRAFTER_RANK, VERIFIER_RANK, WORLD_SIZE, REQUEST_KEY_PREFIX,
+    CLOSE_REQUEST, _IDLE_WAIT, STATUS_MISSING, STATUS_FOUND, ID_SEPARATOR, check_probs, check_row_ks,
+    _HEADER_LEN, _OP_TIMEOUT, _DTYPE_CODES, DraftProbsMissingError, DataPlaneUnavailableError, DistPlaneConfig,
 )
 
 
@@ -113,7 +99,8 @@ class DraftProbsServer:
 
     def __init__(self, cfg: DistPlaneConfig) -> None:
         self.cfg = cfg
-        self._buffer: collections.OrderedDict[int, tuple[tuple[str, ...], torch.Tensor]] = collections.OrderedDict()
+        self._buffer: collections.OrderedDict[int, tuple[tuple[str, ...], torch.Tensor, list[int]]] = \
+            collections.OrderedDict()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="draft-probs-server", daemon=True)
         self._stop = threading.Event()
@@ -144,21 +131,23 @@ class DraftProbsServer:
         except Exception as exc:
             logger.warning("dist data plane: cannot wake the serving thread (%s)", exc)
 
-    def publish(self, step_id: int, request_ids: list[str], probs: torch.Tensor) -> None:
-        """Keep ``probs`` [b, k, V] of ``request_ids`` (len b) for step ``step_id`` until fetched.
+    def publish(self, step_id: int, request_ids: list[str], probs: torch.Tensor,
+                num_draft_tokens: list[int] | None = None) -> None:
+        """Keep ``probs`` [b, k, V] of ``request_ids`` (len b) and their rows' k_i
+        ``num_draft_tokens`` (b values in [0, k]; None: k for all) for step ``step_id`` until fetched.
 
         Raises:
-            ValueError: shape/ids mismatch, unsupported dtype, or an id containing NUL.
+            ValueError: shape/ids/k_i mismatch, unsupported dtype, or an id containing NUL.
         """
-        check_probs(request_ids, probs, _DTYPE_CODES, "dist")
+        ks = check_probs(request_ids, probs, _DTYPE_CODES, "dist", num_draft_tokens)
         with self._lock:
             kept = probs.detach() if probs.is_cuda else probs.detach().to("cpu")  # NCCL sends from the GPU
-            self._buffer[step_id] = (tuple(request_ids), kept.contiguous())
+            self._buffer[step_id] = (tuple(request_ids), kept.contiguous(), ks)
             while len(self._buffer) > self.cfg.max_buffered_steps:
                 self._buffer.popitem(last=False)
                 self.num_evicted += 1
 
-    def _take(self, step_id: int) -> tuple[tuple[str, ...], torch.Tensor] | None:
+    def _take(self, step_id: int) -> tuple[tuple[str, ...], torch.Tensor, list[int]] | None:
         with self._lock:
             return self._buffer.pop(step_id, None)
 
@@ -186,13 +175,15 @@ class DraftProbsServer:
         if entry is None:
             _send(group, torch.tensor([STATUS_MISSING, 0, 0, 0, 0, 0], dtype=torch.int64), VERIFIER_RANK)
             return
-        request_ids, probs = entry
+        request_ids, probs, ks = entry
         id_bytes = torch.frombuffer(bytearray(ID_SEPARATOR.join(request_ids).encode()), dtype=torch.uint8)
         b, k, vocab = probs.shape
         header = [STATUS_FOUND, id_bytes.numel(), _DTYPE_CODES.index(probs.dtype), b, k, vocab]
         _send(group, torch.tensor(header, dtype=torch.int64), VERIFIER_RANK)
         if id_bytes.numel():
             _send(group, id_bytes, VERIFIER_RANK)
+        if b:
+            _send(group, torch.tensor(ks, dtype=torch.int64), VERIFIER_RANK)
         if probs.numel() and self._bulk is not None:
             nccl.send_probs(self._bulk, probs, VERIFIER_RANK, self.cfg.device)
         elif probs.numel():
@@ -236,31 +227,34 @@ class DraftProbsClient:
     def is_connected(self) -> bool:
         return self._group is not None
 
-    def fetch(self, step_id: int, request_ids: list[str]) -> torch.Tensor:
+    def fetch(self, step_id: int, request_ids: list[str], num_draft_tokens: list[int] | None = None) -> torch.Tensor:
         """Draft probs [len(request_ids), k, V] (the drafter's dtype) of ``step_id``, rows in
-        ``request_ids`` order.
+        ``request_ids`` order; ``num_draft_tokens``: the k_i the caller expects of those rows
+        (None: not checked).
 
         Waits up to ``connect_timeout_s`` for a connection started by ``start_connect``.
 
         Raises:
             DataPlaneUnavailableError: not connected.
             DraftProbsMissingError: the drafter has no probs for the step, or lacks a request id.
+            ValueError: a fetched row was drafted with another k_i than ``num_draft_tokens`` says.
         """
         if not self._connected.wait(self.cfg.connect_timeout_s) or self._group is None:
             raise DataPlaneUnavailableError(
                 f"dist data plane to the drafter at {self.cfg.addr}:{self.cfg.port} is not connected")
         with self._lock:
-            drafted_ids, probs = self._fetch_all(self._group, step_id)
+            drafted_ids, drafted_ks, probs = self._fetch_all(self._group, step_id)
         row_of = {rid: row for row, rid in enumerate(drafted_ids)}
         missing = [rid for rid in request_ids if rid not in row_of]
         if missing:
             raise DraftProbsMissingError(f"draft step {step_id} has no probs for request ids {missing}")
         rows = [row_of[rid] for rid in request_ids]
+        check_row_ks(step_id, drafted_ks, rows, num_draft_tokens)
         if rows == list(range(len(drafted_ids))):
             return probs
         return probs[torch.tensor(rows, dtype=torch.long, device=probs.device)]
 
-    def _fetch_all(self, group, step_id: int) -> tuple[list[str], torch.Tensor]:
+    def _fetch_all(self, group, step_id: int) -> tuple[list[str], list[int], torch.Tensor]:
         self._post(str(int(step_id)))
         header = _recv(group, torch.zeros(_HEADER_LEN, dtype=torch.int64), DRAFTER_RANK).tolist()
         status, num_id_bytes, dtype_code, b, k, vocab = header
@@ -271,13 +265,14 @@ class DraftProbsClient:
             _recv(group, id_bytes, DRAFTER_RANK)
         dtype = _DTYPE_CODES[dtype_code]
         drafted_ids = id_bytes.numpy().tobytes().decode().split(ID_SEPARATOR) if num_id_bytes else []
+        drafted_ks = _recv(group, torch.zeros(b, dtype=torch.int64), DRAFTER_RANK).tolist() if b else []
         if self._bulk is not None and b * k * vocab:
-            return drafted_ids, nccl.recv_probs(self._bulk, (b, k, vocab), dtype, DRAFTER_RANK, self.cfg.device)
+            return drafted_ids, drafted_ks, nccl.recv_probs(self._bulk, (b, k, vocab), dtype, DRAFTER_RANK, self.cfg.device)
         itemsize = torch.empty((), dtype=dtype).element_size()
         raw = torch.empty(b * k * vocab * itemsize, dtype=torch.uint8)
         if raw.numel():
             _recv(group, raw, DRAFTER_RANK)
-        return drafted_ids, raw.view(dtype).reshape(b, k, vocab)
+        return drafted_ids, drafted_ks, raw.view(dtype).reshape(b, k, vocab)
 
     def close(self) -> None:
         """Tell the drafter's serving thread to exit (best effort: the drafter may be gone)."""

@@ -57,16 +57,34 @@ class DistPlaneConfig:
             raise ValueError(f"max_buffered_steps must be >= 1, got {self.max_buffered_steps}")
 
 
-def check_probs(request_ids: list[str], probs: torch.Tensor, dtypes, plane: str) -> None:
-    """Validate draft probs ``probs`` [b, k, V] of ``request_ids`` (len b) before publishing.
+def check_probs(request_ids: list[str], probs: torch.Tensor, dtypes, plane: str,
+                num_draft_tokens: list[int] | None = None) -> list[int]:
+    """Validate draft probs ``probs`` [b, k, V] of ``request_ids`` (len b) and the rows' k_i
+    ``num_draft_tokens`` (None: k for every row) before publishing; returns the k_i.
 
     Raises:
-        ValueError: shape/ids mismatch, a dtype not in ``dtypes`` (named with ``plane``), or an
-            id containing NUL (``ID_SEPARATOR``).
+        ValueError: shape/ids mismatch, a dtype not in ``dtypes`` (named with ``plane``), an
+            id containing NUL (``ID_SEPARATOR``), or num_draft_tokens not b values in [0, k].
     """
     if probs.dim() != 3 or probs.shape[0] != len(request_ids):
         raise ValueError(f"probs must be [b={len(request_ids)}, k, V], got {tuple(probs.shape)}")
+    k = probs.shape[1]
+    ks = [k] * len(request_ids) if num_draft_tokens is None else [int(k_i) for k_i in num_draft_tokens]
+    if len(ks) != len(request_ids) or any(not 0 <= k_i <= k for k_i in ks):
+        raise ValueError(f"num_draft_tokens must be {len(request_ids)} values in [0, k={k}], got {ks}")
     if probs.dtype not in dtypes:
         raise ValueError(f"probs dtype {probs.dtype} not supported by the {plane} plane")
     if any(ID_SEPARATOR in rid for rid in request_ids):
         raise ValueError("request ids must not contain NUL")
+    return ks
+
+
+def check_row_ks(step_id: int, drafted_ks: list[int], rows: list[int], expected: list[int] | None) -> None:
+    """Raise ValueError unless the published k_i of the fetched ``rows`` equal ``expected`` (the
+    Verify's ``num_draft_tokens``, in the same order; None: no check): a Verify that describes
+    its ragged rows differently from the Draft that made them would read padding as drafts."""
+    if expected is None:
+        return
+    published = [drafted_ks[row] for row in rows]
+    if published != [int(k_i) for k_i in expected]:
+        raise ValueError(f"num_draft_tokens {list(expected)} differ from the {published} drafted at step {step_id}")

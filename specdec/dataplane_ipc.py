@@ -8,13 +8,13 @@ buffer's descriptor and one header per slot. Verifier rank 0 (``IpcProbsClient``
 Per step (MineDraft paper §5: the verifier needs the draft distribution q [b, k, V]):
 1. ``publish(step_id, request_ids, probs)``: slot ``step_id % num_slots``; its sequence word
    goes odd, probs are copied into the slot (same dtype, no conversion) and the drafter's CUDA
-   stream is synchronised, the header (step id, b, k, V, dtype, request ids) is written, the
+   stream is synchronised, the header (step id, b, k, V, dtype, request ids, per-row k_i) is written, the
    sequence word goes even. Draft returns only after this, so the data is in place before the
    coordinator sends the Verify.
 2. ``fetch(step_id, request_ids)``: read the slot's sequence word (even) and header, copy the
    rows into a fresh tensor on the verifier's device (a peer copy over NVLink between GPUs),
    synchronise, read the sequence word again: unchanged means the copy is consistent (a
-   seqlock); else the step was overwritten (``DraftProbsMissingError``), as is a slot holding
+   seqlock); the rows' published k_i must equal the ones the Verify expects; else the step was overwritten (``DraftProbsMissingError``), as is a slot holding
    another step (never drafted sampled, or ``num_slots`` steps old).
 The ring grows (a new buffer and descriptor, ``generation`` + 1) only if a step needs more
 bytes than a slot holds; the client re-opens the buffer when it sees a new generation.
@@ -33,10 +33,12 @@ import numpy as np
 import torch
 
 from specdec import dataplane_shm as shm
-from specdec.dataplane_common import ID_SEPARATOR, DataPlaneUnavailableError, DraftProbsMissingError, check_probs
+from specdec.dataplane_common import (
+    ID_SEPARATOR, DataPlaneUnavailableError, DraftProbsMissingError, check_probs, check_row_ks,
+)
 from specdec.dataplane_ipc_layout import (  # noqa: F401 (IpcPlaneConfig, PROBS_DTYPES: public here too)
     DESC_BYTES, HDR_DESC_LEN, HDR_GENERATION, HDR_IDS_BYTES, HDR_INSTANCE, HDR_MAGIC, HDR_NUM_SLOTS,
-    HDR_SLOT_BYTES, HEADER_WORDS, MAGIC, PROBS_DTYPES, SLOT_B, SLOT_DTYPE, SLOT_IDS_LEN, SLOT_K, SLOT_SEQ,
+    HDR_SLOT_BYTES, HEADER_WORDS, MAGIC, PROBS_DTYPES, ROW_K_BYTES, SLOT_B, SLOT_DTYPE, SLOT_IDS_LEN, SLOT_K, SLOT_SEQ,
     SLOT_STEP, SLOT_V, IpcPlaneConfig, Meta, aligned_bytes,
 )
 
@@ -110,16 +112,20 @@ class IpcProbsServer:
         if old_path in self._own_inodes:
             _unlink_if_same(old_path, self._own_inodes.pop(old_path))
 
-    def publish(self, step_id: int, request_ids: list[str], probs: torch.Tensor) -> None:
-        """Write ``probs`` [b, k, V] of ``request_ids`` (len b) into the slot of ``step_id``.
+    def publish(self, step_id: int, request_ids: list[str], probs: torch.Tensor,
+                num_draft_tokens: list[int] | None = None) -> None:
+        """Write ``probs`` [b, k, V] of ``request_ids`` (len b) and the rows' k_i
+        ``num_draft_tokens`` (b values in [0, k]; None: k for all) into the slot of ``step_id``.
 
         Raises:
-            ValueError: shape/ids mismatch, unsupported dtype, NUL in an id, ids over ``max_ids_bytes``.
+            ValueError: shape/ids/k_i mismatch, unsupported dtype, NUL in an id, ids and k_i
+            over ``max_ids_bytes``.
         """
-        check_probs(request_ids, probs, PROBS_DTYPES, "ipc")
+        ks = check_probs(request_ids, probs, PROBS_DTYPES, "ipc", num_draft_tokens)
         id_bytes = ID_SEPARATOR.join(request_ids).encode()
-        if len(id_bytes) > self.cfg.max_ids_bytes:
-            raise ValueError(f"request ids take {len(id_bytes)} bytes, max_ids_bytes is {self.cfg.max_ids_bytes}")
+        if len(id_bytes) + ROW_K_BYTES * len(ks) > self.cfg.max_ids_bytes:
+            raise ValueError(f"request ids take {len(id_bytes)} bytes (+{ROW_K_BYTES} per row), "
+                             f"max_ids_bytes is {self.cfg.max_ids_bytes}")
         b, k, vocab = probs.shape
         num_bytes = probs.numel() * probs.element_size()
         rows = max(b, self.cfg.max_batch_size)
@@ -131,8 +137,8 @@ class IpcProbsServer:
             start = slot_index * slot_bytes
             self._buffer[start: start + num_bytes].view(probs.dtype).view(b, k, vocab).copy_(probs)
             _sync(self._buffer)
-            if id_bytes:
-                self._meta.ids[slot_index][: len(id_bytes)] = np.frombuffer(id_bytes, dtype=np.uint8)
+            row_ks = np.asarray(ks, dtype="<i4").tobytes()
+            self._meta.ids[slot_index][: len(id_bytes) + len(row_ks)] = np.frombuffer(id_bytes + row_ks, dtype=np.uint8)
             words[SLOT_STEP], words[SLOT_B], words[SLOT_K], words[SLOT_V] = step_id, b, k, vocab
             words[SLOT_DTYPE], words[SLOT_IDS_LEN] = PROBS_DTYPES.index(probs.dtype), len(id_bytes)
             words[SLOT_SEQ] += 1  # even: complete
@@ -214,13 +220,15 @@ class IpcProbsClient:
             desc = self._meta.desc[: int(header[HDR_DESC_LEN])].tobytes()
             self._buffer, self._generation = shm.open_shared(desc), generation
 
-    def fetch(self, step_id: int, request_ids: list[str]) -> torch.Tensor:
+    def fetch(self, step_id: int, request_ids: list[str], num_draft_tokens: list[int] | None = None) -> torch.Tensor:
         """Draft probs [len(request_ids), k, V] (the drafter's dtype) of ``step_id`` on
-        ``cfg.device``, rows in ``request_ids`` order (a copy; the slot may be reused later).
+        ``cfg.device``, rows in ``request_ids`` order (a copy; the slot may be reused later);
+        ``num_draft_tokens``: the k_i the caller expects of those rows (None: not checked).
 
         Raises:
             DataPlaneUnavailableError: no drafter plane; DraftProbsMissingError: the slot holds
             another step, was overwritten during the copy, or lacks a request id.
+            ValueError: a fetched row was drafted with another k_i than ``num_draft_tokens`` says.
         """
         with self._lock:
             if self._meta is None:
@@ -235,6 +243,8 @@ class IpcProbsClient:
             if seq % 2 or step != step_id:
                 raise DraftProbsMissingError(f"drafter holds no draft probs for step {step_id}")
             ids = self._meta.ids[slot_index][:ids_len].tobytes().decode().split(ID_SEPARATOR) if ids_len else []
+            ks_bytes = self._meta.ids[slot_index][ids_len: ids_len + ROW_K_BYTES * b].tobytes()
+            drafted_ks = np.frombuffer(ks_bytes, dtype="<i4").tolist()
             rows = self._rows(step_id, ids, request_ids)
             dtype = PROBS_DTYPES[code]
             start = slot_index * int(self._meta.header[HDR_SLOT_BYTES])
@@ -245,6 +255,7 @@ class IpcProbsClient:
             _sync(probs)  # ... and ours
             if int(words[SLOT_SEQ]) != seq:
                 raise DraftProbsMissingError(f"draft step {step_id} was overwritten while it was read")
+            check_row_ks(step_id, drafted_ks, list(range(b)) if rows is None else rows.tolist(), num_draft_tokens)
             return probs
 
     @staticmethod

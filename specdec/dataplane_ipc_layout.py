@@ -3,7 +3,9 @@
 File ``<SHM_DIR>/minedraft-<name>.meta``: ``HEADER_WORDS`` int64 header words (magic, drafter
 instance id, buffer generation, descriptor length, num_slots, slot bytes, max_ids_bytes), the
 probs buffer's descriptor (``DESC_BYTES``), then per slot ``SLOT_WORDS`` int64 words (sequence,
-step id, b, k, V, dtype code, ids length) and ``max_ids_bytes`` of NUL-separated request ids.
+step id, b, k, V, dtype code, ids length) and ``max_ids_bytes`` of NUL-separated request ids
+followed by the b rows' numbers of draft tokens k_i (little-endian int32 each; ragged rows: the
+probs past k_i are zero padding).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ HEADER_WORDS = 8
 DESC_BYTES = 1024
 SLOT_SEQ, SLOT_STEP, SLOT_B, SLOT_K, SLOT_V, SLOT_DTYPE, SLOT_IDS_LEN = range(7)
 SLOT_WORDS = 8
+ROW_K_BYTES = 4  # int32 k_i per row, after the request ids
 ALIGN = 256
 
 
@@ -36,7 +39,7 @@ class IpcPlaneConfig:
         num_slots: steps kept in the ring (a step older than this is overwritten); the
             verifier takes the drafter's value from the metadata header.
         max_batch_size: rows a slot holds at first allocation (the drafter's ``max_num_seqs``).
-        max_ids_bytes: utf-8 bytes of a step's NUL-separated request ids.
+        max_ids_bytes: utf-8 bytes of a step's NUL-separated request ids plus 4 per row (its k_i).
         connect_timeout_s: how long the verifier waits for the drafter's metadata file.
     """
 

@@ -78,7 +78,9 @@ class VerifierEngine:
         return engine_pb2.AddRequestsResponse(outputs=outputs, forward_ms=elapsed_ms(start))
 
     def verify(self, request: engine_pb2.VerifyRequest, plane: int) -> engine_pb2.VerifyResponse:
-        """One verify step (k = 0: decode) of ``request.request_ids`` with their draft tokens.
+        """One verify step (k = 0: decode) of ``request.request_ids`` with their draft tokens;
+        ragged rows (``num_draft_tokens``) are verified with their own k_i, feeding k_i + 1
+        tokens each (``TargetWorker.verify``); padding past k_i is never read.
 
         Raises: KeyError (unknown id), ValueError / TensorDecodeError (shapes),
         DraftProbsMissingError / DataPlaneUnavailableError (dist plane), CapacityError.
@@ -89,9 +91,10 @@ class VerifierEngine:
         if unknown:
             raise KeyError(f"unknown request ids: {unknown}")
         draft_ids = self._draft_token_ids(request, len(ids))
+        ks = _row_ks(request, len(ids), draft_ids.shape[1])
         start = time.perf_counter()
         with _tracer.start_as_current_span("verifier.data_plane_receive"):  # + broadcast to TP ranks
-            probs = self._draft_probs(request, plane, ids, draft_ids.shape[1])
+            probs = self._draft_probs(request, plane, ids, draft_ids.shape[1], ks)
             command = engine_pb2.VerifyRequest()
             command.CopyFrom(request)
             command.ClearField("draft_probs")
@@ -127,13 +130,16 @@ class VerifierEngine:
             raise ValueError(f"draft_token_ids must be int [b={batch_size}, k], got {ids.dtype} {tuple(ids.shape)}")
         return ids.long()
 
-    def _draft_probs(self, request, plane: int, ids: list[str], k: int) -> torch.Tensor | None:
+    def _draft_probs(self, request, plane: int, ids: list[str], k: int, ks: list[int]) -> torch.Tensor | None:
+        """[b, k, V] draft probs: inline, or fetched from the plane (checked against the rows'
+        k_i, and cut to k columns when the Draft call drafted wider)."""
         if not request.has_draft_probs:
             return None
         if k == 0:
             raise ValueError("has_draft_probs is set but there are no draft tokens (k = 0)")
         if plane == engine_pb2.DATA_PLANE_DIST:
-            probs = self.probs_client.fetch(request.draft_step_id, ids)
+            probs = self.probs_client.fetch(request.draft_step_id, ids, ks)
+            probs = probs[:, :k] if probs.dim() == 3 and probs.shape[1] > k else probs
         else:
             probs = proto_to_tensor(request.draft_probs)
         expected = (len(ids), k, self.vocab_size)
@@ -151,8 +157,9 @@ class VerifierEngine:
 
     def _apply_verify(self, command: engine_pb2.VerifyRequest, probs) -> list[engine_pb2.SeqOutput]:
         ids = list(command.request_ids)
-        draft_ids = self._draft_token_ids(command, len(ids)).tolist()
-        steps = self.worker.verify(ids, draft_ids, probs)
+        draft_ids = self._draft_token_ids(command, len(ids))
+        ks = _row_ks(command, len(ids), draft_ids.shape[1])
+        steps = self.worker.verify(ids, [row[:k_i] for row, k_i in zip(draft_ids.tolist(), ks)], probs)
         return [to_seq_output(step) for step in steps]
 
     def _apply_release(self, command: engine_pb2.ReleaseRequest) -> int:
@@ -185,3 +192,13 @@ class VerifierEngine:
             self._apply_release(engine_pb2.ReleaseRequest.FromString(payload))
         else:
             raise ValueError(f"unknown command kind {kind}")
+
+
+def _row_ks(request: engine_pb2.VerifyRequest, batch_size: int, k: int) -> list[int]:
+    """k_i of each row (``num_draft_tokens``; empty: k for all). Raises ValueError unless b values in [0, k]."""
+    if not request.num_draft_tokens:
+        return [k] * batch_size
+    ks = list(request.num_draft_tokens)
+    if len(ks) != batch_size or any(not 0 <= k_i <= k for k_i in ks):
+        raise ValueError(f"num_draft_tokens must be {batch_size} values in [0, k={k}], got {ks}")
+    return ks

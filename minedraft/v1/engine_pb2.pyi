@@ -100,14 +100,16 @@ class EngineInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_free_slots: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class DraftSeq(_message.Message):
-    __slots__ = ("request_id", "start_position", "token_ids")
+    __slots__ = ("request_id", "start_position", "token_ids", "num_draft_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     start_position: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_draft_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., start_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("step_id", "num_speculative_tokens", "seqs", "data_plane")
@@ -122,23 +124,25 @@ class DraftRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[DraftSeq, _Mapping]]] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("step_id", "draft_token_ids", "draft_probs", "has_draft_probs", "draft_ms", "data_plane_ms")
+    __slots__ = ("step_id", "draft_token_ids", "draft_probs", "has_draft_probs", "draft_ms", "data_plane_ms", "num_draft_tokens")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     HAS_DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     draft_token_ids: _common_pb2.Tensor
     draft_probs: _common_pb2.Tensor
     has_draft_probs: bool
     draft_ms: float
     data_plane_ms: float
-    def __init__(self, step_id: _Optional[int] = ..., draft_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., has_draft_probs: _Optional[bool] = ..., draft_ms: _Optional[float] = ..., data_plane_ms: _Optional[float] = ...) -> None: ...
+    num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., draft_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., has_draft_probs: _Optional[bool] = ..., draft_ms: _Optional[float] = ..., data_plane_ms: _Optional[float] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("step_id", "request_ids", "draft_token_ids", "draft_probs", "has_draft_probs", "data_plane", "draft_step_id")
+    __slots__ = ("step_id", "request_ids", "draft_token_ids", "draft_probs", "has_draft_probs", "data_plane", "draft_step_id", "num_draft_tokens")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +150,7 @@ class VerifyRequest(_message.Message):
     HAS_DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     draft_token_ids: _common_pb2.Tensor
@@ -153,7 +158,8 @@ class VerifyRequest(_message.Message):
     has_draft_probs: bool
     data_plane: DataPlane
     draft_step_id: int
-    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., draft_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., has_draft_probs: _Optional[bool] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ..., draft_step_id: _Optional[int] = ...) -> None: ...
+    num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., draft_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., has_draft_probs: _Optional[bool] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ..., draft_step_id: _Optional[int] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("step_id", "outputs", "verify_ms", "data_plane_ms")
