@@ -17,17 +17,29 @@ fitted per k (``coordinator.cost_model``); a k never measured is predicted flat 
 neighbours, so every ``explore_every_steps``-th Draft call drafts a neighbour of the best k
 (an unmeasured one first) to measure how verify time really grows in k.
 
-Per request: a request whose drafts keep being rejected (its own acceptance estimate below
-``min_request_alpha``) may be left undrafted (k = 0), except every ``probe_every_steps`` verify
-steps, when it is drafted again to refresh its estimate. An undrafted request needs a Verify
-call of its own (the engines take one rectangular [batch, k] draft tensor per call; ragged rows
-would need a per-row k in the Verify RPC, the verifier's forward and the rejection sampler), so
-:meth:`KChooser.draft_ks` leaves requests undrafted only when the expected goodput of the two
-calls beats one call with every request at k (on a CPU, where a Verify call's fixed cost is
-large, it rarely does).
+Per request (ragged rows: the engines take a per-row k_i in one Draft and one Verify call,
+``DraftSeq.num_draft_tokens`` / ``VerifyRequest.num_draft_tokens``): request i of a batch at k
+gets its own ``k_i`` in [1, k], the k maximising its expected committed tokens per unit of the
+step cost it adds, from its own acceptance estimate alpha_i::
+
+    k_i = argmax_{1 <= j <= k}  E(alpha_i, j) / (T(n, k) / n + m(j))   (the smallest j within 1%)
+    m(j) = T(t_draft(n - 1, k) + dd(j), t_verify(n - 1, k) + dv(j)) - T(t_draft(n - 1, k), t_verify(n - 1, k))
+    dd(j) = t_draft(n, j) - t_draft(n - 1, j),   dv(j) = t_verify(n, j) - t_verify(n - 1, j)
+
+(its share of the step plus what drafting and verifying j tokens for one more row adds to the
+step: in psd only the binding side counts, so hidden draft positions are free), so a request whose drafts keep being rejected (E flat in j) drafts 1 token while a
+well-accepted one drafts k. Before the costs are measured every request gets k.
+
+A request whose acceptance is even below ``min_request_alpha`` may be left undrafted (k = 0),
+except every ``probe_every_steps`` verify steps, when it is drafted again (at its k_i) to
+refresh its estimate. An undrafted request needs a Verify call of its own (with the requests
+that have no room for drafts), so :meth:`KChooser.draft_ks` leaves requests undrafted only when
+the expected goodput of the two calls beats one call with every request at its k_i (on a CPU,
+where a Verify call's fixed cost is large, it rarely does).
 
 Lossless: the rejection sampler is exact for any k and any draft (Leviathan et al. 2023,
-Theorem 1), so changing k between steps or per request never changes the output distribution.
+Theorem 1), row by row, so changing k between steps or per request (k_i, ragged rows) never
+changes the output distribution.
 """
 
 from __future__ import annotations
@@ -178,26 +190,51 @@ class KChooser:
         return (self.is_adaptive and self.stats.request_alpha(request_id) < self.stats.cfg.min_request_alpha
                 and self.stats.is_probe_due(request_id))
 
+    def own_k(self, request_id: str, batch_k: int, num_requests: int, is_parallel: bool) -> int:
+        """k_i in [1, ``batch_k``] of one request of a batch of ``num_requests`` at ``batch_k``:
+        its expected tokens per unit of step cost, maximised (module docstring)."""
+        cost = self.stats.cost
+        if not self.is_adaptive or not cost.is_known or batch_k <= 1 or num_requests <= 0:
+            return batch_k
+        n, alpha = num_requests, self.stats.request_alpha(request_id)
+        share = self._step_ms(cost.draft_ms(n, batch_k), cost.verify_ms(n, batch_k), is_parallel) / n
+        others_draft, others_verify = cost.draft_ms(n - 1, batch_k), cost.verify_ms(n - 1, batch_k)
+        others_ms = self._step_ms(others_draft, others_verify, is_parallel)
+
+        def marginal_ms(k: int) -> float:  # what the row at k adds to the others' step (psd: the binding side)
+            row_draft, row_verify = cost.draft_ms(n, k) - cost.draft_ms(n - 1, k), cost.verify_ms(n, k) - cost.verify_ms(n - 1, k)
+            return max(self._step_ms(others_draft + row_draft, others_verify + row_verify, is_parallel) - others_ms, 0.0)
+
+        rates = {k: expected_tokens(alpha, k) / max(share + marginal_ms(k), 1e-9) for k in range(1, batch_k + 1)}
+        top = max(rates.values())
+        return min(k for k, rate in rates.items() if rate >= top * (1.0 - K_TIE_TOLERANCE))
+
+    @staticmethod
+    def _step_ms(t_draft: float, t_verify: float, is_parallel: bool) -> float:
+        return max(t_draft, t_verify) if is_parallel else t_draft + t_verify
+
     def draft_ks(self, request_ids: list[str], is_parallel: bool) -> dict[str, int]:
-        """k of each request of one batch's next Draft call: the batch's k, or :data:`NO_DRAFT`
-        for the low-acceptance requests of :meth:`request_k` when verifying them in a call of
-        their own (k = 0) is expected to pay (module docstring). Deterministic between Draft calls."""
+        """k_i of each request of one batch's next Draft call: :meth:`own_k` under the batch's
+        k (ragged rows), or :data:`NO_DRAFT` for the low-acceptance requests of
+        :meth:`request_k` when verifying them in a call of their own (k = 0) is expected to pay
+        (module docstring). Deterministic between Draft calls."""
         k = self.batch_k(len(request_ids), is_parallel)
+        ks = {rid: self.own_k(rid, k, len(request_ids), is_parallel) for rid in request_ids}
         low = {rid for rid in request_ids if self.request_k(rid, k) == NO_DRAFT}
-        if not low or not self._is_split_better(request_ids, low, k, is_parallel):
-            return {rid: k for rid in request_ids}
-        return {rid: NO_DRAFT if rid in low else k for rid in request_ids}
+        if not low or not self._is_split_better(ks, low, is_parallel):
+            return ks
+        return {rid: NO_DRAFT if rid in low else k_i for rid, k_i in ks.items()}
 
-    def _is_split_better(self, request_ids: list[str], low: set[str], k: int, is_parallel: bool) -> bool:
-        """Goodput of drafting all at ``k`` (one Verify call) vs leaving ``low`` undrafted (two)."""
+    def _is_split_better(self, ks: dict[str, int], low: set[str], is_parallel: bool) -> bool:
+        """Goodput of drafting all at their k_i (one Verify call) vs leaving ``low`` undrafted (two)."""
         cost, stats = self.stats.cost, self.stats
-        tokens = {rid: expected_tokens(stats.request_alpha(rid), k) for rid in request_ids}
-        n, n_high = len(request_ids), len(request_ids) - len(low)
-
-        def step_ms(t_draft: float, t_verify: float) -> float:
-            return max(t_draft, t_verify) if is_parallel else t_draft + t_verify
-
-        one_call = sum(tokens.values()) / max(step_ms(cost.draft_ms(n, k), cost.verify_ms(n, k)), 1e-9)
-        split_ms = step_ms(cost.draft_ms(n_high, k), cost.verify_ms(n_high, k) + cost.verify_ms(len(low), 0))
+        tokens = {rid: expected_tokens(stats.request_alpha(rid), k_i) for rid, k_i in ks.items()}
+        k_all = max(ks.values())
+        k_high = max((k_i for rid, k_i in ks.items() if rid not in low), default=k_all)
+        n, n_high = len(ks), len(ks) - len(low)
+        one_call = sum(tokens.values()) / max(self._step_ms(cost.draft_ms(n, k_all), cost.verify_ms(n, k_all),
+                                                            is_parallel), 1e-9)
+        split_ms = self._step_ms(cost.draft_ms(n_high, k_high),
+                                 cost.verify_ms(n_high, k_high) + cost.verify_ms(len(low), 0), is_parallel)
         split_tokens = sum(t for rid, t in tokens.items() if rid not in low) + len(low)
         return split_tokens / max(split_ms, 1e-9) > one_call

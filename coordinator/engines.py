@@ -30,12 +30,16 @@ _INT_TYPECODES = {"int32": "i", "int64": "q"}
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32": 4, "int64": 8}
 
 
-def encode_token_ids(rows: Sequence[Sequence[int]]) -> common_pb2.Tensor:
-    """[batch, k] token ids -> int32 ``Tensor`` (little-endian). Raises ValueError on ragged rows."""
-    num_cols = len(rows[0]) if rows else 0
-    if any(len(row) != num_cols for row in rows):
+PADDING_TOKEN_ID = -1  # fills ragged draft rows past their k_i on the wire
+
+
+def encode_token_ids(rows: Sequence[Sequence[int]], is_ragged: bool = False) -> common_pb2.Tensor:
+    """[batch, k] token ids -> int32 ``Tensor`` (little-endian). ``is_ragged``: rows shorter
+    than the longest are padded with ``PADDING_TOKEN_ID``; else ragged rows raise ValueError."""
+    num_cols = max((len(row) for row in rows), default=0)
+    if not is_ragged and any(len(row) != num_cols for row in rows):
         raise ValueError("rows: draft token id rows must all have length k")
-    values = array("i", [t for row in rows for t in row])
+    values = array("i", [t for row in rows for t in [*row, *[PADDING_TOKEN_ID] * (num_cols - len(row))]])
     if sys.byteorder == "big":
         values.byteswap()
     return common_pb2.Tensor(shape=[len(rows), num_cols], dtype="int32", data=values.tobytes())
@@ -66,12 +70,18 @@ def split_prob_rows(tensor: common_pb2.Tensor, num_rows: int) -> list[bytes]:
 
 
 def join_prob_rows(drafts: Sequence[PendingDrafts]) -> common_pb2.Tensor | None:
-    """Stack the per-request prob rows of a verify batch back into [batch, k, V]; None if absent."""
+    """Stack the per-request prob rows of a verify batch back into [batch, k, V], k = the
+    longest row's k_i (each row's [K, V] bytes from its Draft call cut to its first k positions;
+    positions past a row's own k_i are the drafter's zero padding); None if absent."""
     if not drafts or any(d.probs_row is None for d in drafts):
         return None
     first = drafts[0]
-    shape = [len(drafts), len(first.token_ids), first.vocab_size]
-    return common_pb2.Tensor(shape=shape, dtype=first.probs_dtype, data=b"".join(d.probs_row for d in drafts))
+    num_cols = max(len(d.token_ids) for d in drafts)
+    row_bytes = num_cols * first.vocab_size * _ITEMSIZE[first.probs_dtype]
+    if any(len(d.probs_row) < row_bytes for d in drafts):
+        raise ValueError(f"drafts: probs rows narrower than k = {num_cols}")
+    shape = [len(drafts), num_cols, first.vocab_size]
+    return common_pb2.Tensor(shape=shape, dtype=first.probs_dtype, data=b"".join(d.probs_row[:row_bytes] for d in drafts))
 
 
 @dataclass
@@ -139,8 +149,9 @@ class EngineClients:
         response = await stub.ReleaseRequests(engine_pb2.ReleaseRequest(request_ids=request_ids), timeout=self.timeout)
         return response.num_released
 
-    async def draft(self, step_id: int, requests: list[RequestState], k: int, data_plane: int) -> DraftResult:
-        """Draft k tokens for ``requests``; tells the drafter the committed tokens it has not seen.
+    async def draft(self, step_id: int, requests: list[RequestState], ks: list[int], data_plane: int) -> DraftResult:
+        """Draft ``ks[i]`` (k_i >= 1) tokens for ``requests[i]``, all in one Draft call (ragged
+        rows: ``DraftSeq.num_draft_tokens``); tells the drafter the committed tokens it has not seen.
 
         Updates each request's ``num_drafter_tokens`` (the drafter caught up on a successful call).
         Raises grpc.aio.AioRpcError, or ValueError on a malformed response.
@@ -149,16 +160,16 @@ class EngineClients:
         # drafter saw is valid (it keeps the common prefix), and catch-up always has a token to feed.
         starts = [min(r.num_drafter_tokens, len(r.prompt_token_ids) + len(r.output_token_ids) - 1) for r in requests]
         seqs = [
-            engine_pb2.DraftSeq(request_id=r.request_id, start_position=start, token_ids=r.committed[start:])
-            for r, start in zip(requests, starts)
+            engine_pb2.DraftSeq(request_id=r.request_id, start_position=start, token_ids=r.committed[start:],
+                                num_draft_tokens=k_i)
+            for r, start, k_i in zip(requests, starts, ks)
         ]
+        k = max(ks)
         request = engine_pb2.DraftRequest(step_id=step_id, num_speculative_tokens=k, seqs=seqs, data_plane=data_plane)
         start = time.perf_counter()
         response = await self.drafter.Draft(request, timeout=self.timeout)
         wall_ms = (time.perf_counter() - start) * 1e3
-        token_rows = decode_token_ids(response.draft_token_ids)
-        if len(token_rows) != len(requests) or any(len(row) != k for row in token_rows):
-            raise ValueError(f"draft_token_ids: expected [{len(requests)}, {k}], got {list(response.draft_token_ids.shape)}")
+        token_rows = _draft_rows(response, ks)
         prob_rows: list[bytes | None] = [None] * len(requests)
         if response.has_draft_probs and response.HasField("draft_probs"):
             prob_rows = split_prob_rows(response.draft_probs, len(requests))
@@ -175,12 +186,14 @@ class EngineClients:
     async def verify(
         self, step_id: int, request_ids: list[str], drafts: list[PendingDrafts] | None, data_plane: int
     ) -> tuple[engine_pb2.VerifyResponse, float]:
-        """Verify ``request_ids`` with ``drafts`` (one per request, all from one drafter step), or
-        decode them (``drafts`` None: k = 0). Returns (response, wall ms). Raises grpc.aio.AioRpcError.
+        """Verify ``request_ids`` with ``drafts`` (one per request, all from one drafter step; rows
+        may differ in k_i: ``VerifyRequest.num_draft_tokens``), or decode them (``drafts`` None:
+        k = 0). Returns (response, wall ms). Raises grpc.aio.AioRpcError.
         """
         request = engine_pb2.VerifyRequest(step_id=step_id, request_ids=request_ids)
         if drafts:
-            request.draft_token_ids.CopyFrom(encode_token_ids([d.token_ids for d in drafts]))
+            request.draft_token_ids.CopyFrom(encode_token_ids([d.token_ids for d in drafts], is_ragged=True))
+            request.num_draft_tokens.extend(len(d.token_ids) for d in drafts)
             request.draft_step_id = drafts[0].step_id
             request.data_plane = data_plane
             request.has_draft_probs = any(d.has_probs for d in drafts)
@@ -190,3 +203,15 @@ class EngineClients:
         start = time.perf_counter()
         response = await self.verifier.Verify(request, timeout=self.timeout)
         return response, (time.perf_counter() - start) * 1e3
+
+
+def _draft_rows(response: engine_pb2.DraftResponse, ks: list[int]) -> list[list[int]]:
+    """Each row's k_i draft ids from a DraftResponse of the ragged call asked with ``ks``.
+    Raises ValueError unless the ids are [b, max k_i] and the rows' k_i are the ones asked."""
+    token_rows = decode_token_ids(response.draft_token_ids)
+    k = max(ks)
+    if len(token_rows) != len(ks) or any(len(row) != k for row in token_rows):
+        raise ValueError(f"draft_token_ids: expected [{len(ks)}, {k}], got {list(response.draft_token_ids.shape)}")
+    if response.num_draft_tokens and list(response.num_draft_tokens) != list(ks):
+        raise ValueError(f"num_draft_tokens: expected {ks}, got {list(response.num_draft_tokens)}")
+    return [row[:k_i] for row, k_i in zip(token_rows, ks)]

@@ -8,9 +8,11 @@
   flipped. A verify batch without drafts (first step, one batch empty, after a drafter outage)
   is drafted first, i.e. that part falls back to ``sd``.
 
-k per draft call comes from ``coordinator.adaptive.KChooser`` (fixed, or adaptive toward
-t_draft = t_verify); a request it leaves undrafted (k = 0) is verified in a separate Verify
-call with the requests that have no room for drafts. Every Draft/Verify time and every verified
+k per request comes from ``coordinator.adaptive.KChooser`` (fixed, or adaptive toward
+t_draft = t_verify, with a smaller k_i for a request whose drafts are often rejected); the
+requests of one Draft call may differ in k_i (ragged rows) and are verified together in one
+Verify call per drafter step. A request it leaves undrafted (k = 0) is verified in a separate
+Verify call with the requests that have no room for drafts. Every Draft/Verify time and every verified
 draft feeds ``SpeculationStats`` (the adaptive policies' online estimates).
 """
 
@@ -73,12 +75,13 @@ class StepLoop:
                                       len(reqs)))
             times.verify_ms += response.verify_ms
             times.data_plane_ms += response.data_plane_ms
-            k = len(d[0].token_ids) if d else NO_DRAFT
-            self.spec_stats.cost.observe_verify(len(reqs), k, response.verify_ms)
-            group_emitted, group_accepted = self._postprocess(reqs, d, response)
+            # verify cost is fitted at the call's widest row (its padded width on a GPU)
+            self.spec_stats.cost.observe_verify(len(reqs), max((len(x.token_ids) for x in d or ()), default=NO_DRAFT),
+                                                response.verify_ms)
+            group_emitted, group_accepted, group_ks = self._postprocess(reqs, d, response)
             num_emitted += group_emitted
             accepted += group_accepted if d else []
-            num_spec_tokens += [k] * len(group_accepted) if d else []
+            num_spec_tokens += group_ks if d else []
         is_parallel = mode == Mode.PSD and bool(ahead_spec) and self.mode != Mode.AR
         if mode == Mode.PSD and ahead_reqs:
             self.batches.flip()
@@ -135,21 +138,21 @@ class StepLoop:
         requests = [r for r in requests if ks[r.request_id] > 0]
         if not requests:
             return
-        k = ks[requests[0].request_id]
         start_s = time.time()
         try:
             requests = await self._add_to_drafter(requests)
             if not requests:
                 return
             self._num_draft_calls += 1  # drafter step ids are unique per Draft call (dist plane key)
-            result = await self.engines.draft(self._num_draft_calls, requests, k, self._data_plane)
+            row_ks = [ks[r.request_id] for r in requests]
+            result = await self.engines.draft(self._num_draft_calls, requests, row_ks, self._data_plane)
         except (grpc.aio.AioRpcError, ValueError) as exc:
             self._lose_drafter(exc)
             return
         for request, drafts in zip(requests, result.drafts):
             if request.status == RequestStatus.RUNNING:
                 request.drafts = drafts
-        self.spec_stats.cost.observe_draft(len(requests), k, result.draft_ms)
+        self.spec_stats.cost.observe_draft(len(requests), max(row_ks), result.draft_ms)  # max k_i steps ran
         times.draft_ms += result.draft_ms
         times.phases.append(Phase("drafter", batch, start_s, result.draft_ms, result.wall_ms, len(requests)))
         times.data_plane_ms += result.data_plane_ms
@@ -168,12 +171,13 @@ class StepLoop:
         self.metrics.num_lazy_drafter_adds.inc(len(missing) - len(refused))
         return [r for r in requests if r.num_drafter_tokens > 0]
 
-    def _postprocess(self, verify_reqs, drafts, response: engine_pb2.VerifyResponse) -> tuple[int, list[int]]:
-        """Commit each verified request's tokens; returns (tokens emitted, accepted count per request)."""
+    def _postprocess(self, verify_reqs, drafts, response: engine_pb2.VerifyResponse) -> tuple[int, list[int], list[int]]:
+        """Commit each verified request's tokens; returns (tokens emitted, accepted count per
+        request, its own k_i per request) for the requests still running."""
         outputs = {out.request_id: out for out in response.outputs}
-        k = len(drafts[0].token_ids) if drafts else 0
-        num_emitted, accepted = 0, []
-        for request in verify_reqs:
+        num_emitted, accepted, ks = 0, [], []
+        for i, request in enumerate(verify_reqs):
+            k = len(drafts[i].token_ids) if drafts else NO_DRAFT
             request.drafts = None
             out = outputs.get(request.request_id)
             if request.status != RequestStatus.RUNNING:
@@ -187,7 +191,8 @@ class StepLoop:
                          list(out.top_logprobs))
             num_emitted += len(request.output_token_ids) - before
             accepted.append(request.num_accepted_tokens - accepted_before)  # emitted ones only
-        return num_emitted, accepted
+            ks.append(k)
+        return num_emitted, accepted, ks
 
     def _commit(self, request: RequestState, token_ids: list[int], logprobs: list[float], k: int,
                 num_accepted: int, top_logprobs: list = ()) -> bool:
@@ -232,9 +237,10 @@ class StepLoop:
 
 
 def _verify_groups(spec_reqs: list[RequestState], plain_reqs: list[RequestState]) -> list[tuple[list, list | None]]:
-    """One Verify call per (k, drafter step) among the drafted requests, plus one with k = 0."""
-    by_draft: dict[tuple[int, int], list[RequestState]] = defaultdict(list)
+    """One Verify call per drafter step among the drafted requests (their k_i may differ: ragged
+    rows), plus one with k = 0 for the undrafted ones."""
+    by_draft: dict[int, list[RequestState]] = defaultdict(list)
     for request in spec_reqs:
-        by_draft[(len(request.drafts.token_ids), request.drafts.step_id)].append(request)
+        by_draft[request.drafts.step_id].append(request)
     groups: list[tuple[list, list | None]] = [(reqs, [r.drafts for r in reqs]) for reqs in by_draft.values()]
     return groups + ([(plain_reqs, None)] if plain_reqs else [])

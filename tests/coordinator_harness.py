@@ -81,6 +81,10 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
         if self.is_failing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier rank lost")
         rows = decode_token_ids(request.draft_token_ids) if request.draft_token_ids.shape else [[]] * len(request.request_ids)
+        if request.num_draft_tokens:  # ragged rows: the real drafts are each row's first k_i
+            assert len(request.num_draft_tokens) == len(rows)
+            assert all(set(row[k_i:]) <= {-1} for row, k_i in zip(rows, request.num_draft_tokens))
+            rows = [row[:k_i] for row, k_i in zip(rows, request.num_draft_tokens)]
         if request.has_draft_probs and request.data_plane == engine_pb2.DATA_PLANE_INLINE:
             self._check_probs(request)
         elif request.has_draft_probs:  # dist: probs come from the drafter, never through the coordinator
@@ -108,8 +112,10 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
     def _check_probs(self, request) -> None:
         b, k, vocab = request.draft_probs.shape
         values = struct.unpack(f"<{b * k * vocab}f", request.draft_probs.data)
-        for i, request_id in enumerate(request.request_ids):
-            assert set(values[i * k * vocab : (i + 1) * k * vocab]) == {_row_value(request_id)}
+        ks = list(request.num_draft_tokens) or [k] * b
+        for i, (request_id, k_i) in enumerate(zip(request.request_ids, ks)):  # real rows, then zero padding
+            assert set(values[i * k * vocab : i * k * vocab + k_i * vocab]) == {_row_value(request_id)}
+            assert set(values[i * k * vocab + k_i * vocab : (i + 1) * k * vocab]) <= {0.0}
         self.num_prob_rows += b
 
     async def ReleaseRequests(self, request, context):
@@ -152,25 +158,28 @@ class FakeDrafter(engine_pb2_grpc.DrafterServicer):
         assert request.step_id not in self.step_ids_seen, "drafter step ids must be unique"
         self.step_ids_seen.add(request.step_id)
         k, rows = request.num_speculative_tokens, []
-        for seq in request.seqs:
+        ks = [seq.num_draft_tokens if seq.HasField("num_draft_tokens") else k for seq in request.seqs]
+        for seq, k_i in zip(request.seqs, ks):
             known = self.known[seq.request_id]
             assert 0 < seq.start_position <= len(known)
             known[seq.start_position :] = list(seq.token_ids)
             assert known == self.verifier.committed[seq.request_id], "catch-up protocol broken"
             drafts: list[int] = []
-            for i in range(k):
+            for i in range(k_i):
                 true = toy_next(known + drafts)
                 is_right = _unit(seq.request_id, len(known), i) < self.accuracy
                 drafts.append(true if is_right else (true + 1) % VOCAB)
             self.last_drafts[seq.request_id] = (len(known), drafts)
             self.last_step_ids[seq.request_id] = request.step_id
-            rows.append(drafts)
-        response = engine_pb2.DraftResponse(step_id=request.step_id, draft_token_ids=encode_token_ids(rows))
+            rows.append(drafts + [-1] * (k - k_i))
+        response = engine_pb2.DraftResponse(step_id=request.step_id, draft_token_ids=encode_token_ids(rows),
+                                            num_draft_tokens=ks)
         is_sampled = any(self.sampling[s.request_id].temperature > 0 for s in request.seqs)
         if is_sampled and request.data_plane == engine_pb2.DATA_PLANE_DIST:
             response.has_draft_probs = True  # kept drafter-side for the verifier to fetch
         elif is_sampled:
-            values = [_row_value(s.request_id) for s in request.seqs for _ in range(k * VOCAB)]
+            values = [_row_value(s.request_id) if i < k_i * VOCAB else 0.0
+                      for s, k_i in zip(request.seqs, ks) for i in range(k * VOCAB)]
             response.draft_probs.CopyFrom(common_pb2.Tensor(shape=[len(rows), k, VOCAB], dtype="float32",
                                                             data=struct.pack(f"<{len(values)}f", *values)))
             response.has_draft_probs = True

@@ -110,11 +110,11 @@ class TimedDrafter(FakeDrafter):
         k = request.num_speculative_tokens
         response.draft_ms = self.ms_per_token * k
         rows = [list(row) for row in _rows(response)]
-        for seq, row in zip(request.seqs, rows):
+        for seq, row, k_i in zip(request.seqs, rows, response.num_draft_tokens):
             if seq.request_id.startswith("bad"):
                 known = self.known[seq.request_id]
-                row[:] = [(toy_next(known + row[:i]) + 1) % VOCAB for i in range(k)]
-                self.last_drafts[seq.request_id] = (len(known), row)
+                row[:k_i] = [(toy_next(known + row[:i]) + 1) % VOCAB for i in range(k_i)]
+                self.last_drafts[seq.request_id] = (len(known), row[:k_i])
         response.draft_token_ids.CopyFrom(encode_token_ids(rows))
         return response
 
@@ -132,7 +132,8 @@ class TimedHarness(Harness):
             async def timed_verify(request, context):
                 response = await verify(request, context)
                 k = request.draft_token_ids.shape[1] if len(request.draft_token_ids.shape) > 1 else 0
-                response.verify_ms = ms_per_position * len(request.request_ids) * (k + 1)
+                ks = list(request.num_draft_tokens) or [k] * len(request.request_ids)
+                response.verify_ms = ms_per_position * sum(k_i + 1 for k_i in ks)  # ragged feed
                 return response
 
             self.verifier.Verify = timed_verify
