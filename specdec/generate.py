@@ -24,6 +24,7 @@ the other is verified), the paper's parallel-step ratio.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -103,14 +104,21 @@ class LoopStats:
 class ReferenceLoop:
     """Runs a list of requests to completion with one target and (for sd/psd) one draft worker.
 
+    Args:
+        k_of: per-request k (ragged rows): ``k_of(request_id, num_verify_steps_so_far)`` gives
+            the k_i in [1, k] a request drafts next; its Draft and Verify calls then hold rows of
+            different k_i. None: every request drafts ``cfg.num_speculative_tokens``.
+
     Raises:
         ValueError: ``sd``/``psd`` without a draft worker.
     """
 
-    def __init__(self, cfg: LoopConfig, target: TargetWorker, drafter: DraftWorker | None = None):
+    def __init__(self, cfg: LoopConfig, target: TargetWorker, drafter: DraftWorker | None = None,
+                 k_of: Callable[[str, int], int] | None = None):
         if cfg.mode != "ar" and drafter is None:
             raise ValueError(f"mode {cfg.mode!r} needs a draft worker")
-        self.cfg, self.target, self.drafter = cfg, target, drafter
+        self.cfg, self.target, self.drafter, self.k_of = cfg, target, drafter, k_of
+        self._num_verified: dict[str, int] = {}
         self.stats = LoopStats()
         self._eos_token_ids = target.runner.eos_token_ids
         self._running: dict[str, Request] = {}
@@ -174,7 +182,9 @@ class ReferenceLoop:
         if not spec:
             return
         committed = [(r.num_draft_synced, r.committed[r.num_draft_synced:]) for r in spec]
-        draft_ids, draft_probs = self.drafter.draft([r.request_id for r in spec], committed, k)
+        ks = [k if self.k_of is None else min(k, self.k_of(r.request_id, self._num_verified.get(r.request_id, 0)))
+              for r in spec]
+        draft_ids, draft_probs = self.drafter.draft([r.request_id for r in spec], committed, ks)
         for row, request in enumerate(spec):
             request.num_draft_synced = len(request.committed)
             request.drafts = (draft_ids[row], None if draft_probs is None else draft_probs[row])
@@ -196,6 +206,7 @@ class ReferenceLoop:
         for request, ids, out in zip(requests, draft_ids, outputs):
             request.drafts = None
             self.stats.num_verify_steps += 1
+            self._num_verified[request.request_id] = self._num_verified.get(request.request_id, 0) + 1
             if ids:
                 self.stats.num_drafts += 1
                 self.stats.num_draft_tokens += len(ids)
@@ -225,13 +236,15 @@ class ReferenceLoop:
 
 def _stack_probs(drafts: list[tuple[list[int], torch.Tensor | None]],
                  vocab_size: int) -> torch.Tensor | None:
-    """[b, k, V] draft probs; rows drafted greedily (no q) become one-hot on their tokens."""
+    """[b, k, V] draft probs (k = the longest row; zero padding past a row's own width); rows
+    drafted greedily (no q) become one-hot on their tokens."""
     if all(q is None for _, q in drafts):
         return None
     rows = [q if q is not None else
-            torch.nn.functional.one_hot(torch.tensor(ids), vocab_size).float()
+            torch.nn.functional.one_hot(torch.tensor(ids, dtype=torch.int64), vocab_size).float()
             for ids, q in drafts]
-    return torch.stack(rows)
+    k = max(row.shape[0] for row in rows)
+    return torch.stack([torch.nn.functional.pad(row, (0, 0, 0, k - row.shape[0])) for row in rows])
 
 
 def main(argv: list[str] | None = None) -> int:
