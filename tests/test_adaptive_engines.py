@@ -1,8 +1,9 @@
 """Adaptive k against the real engines: drafter_svc and verifier_svc as processes on tiny Llamas
 (draft = target with a perturbed last layer, so some drafts are accepted and some rejected), the
 coordinator's step loop in-process. Greedy output with k changing between steps (a k schedule
-forced through the production KChooser interface, with some requests left undrafted (k = 0) next
-to drafted ones, and the adaptive policy itself) must equal the target alone (``ar``) token for
+forced through the production KChooser interface, with rows of different k_i in one Draft and
+one Verify call, some requests left undrafted (k = 0) next to drafted ones, and the adaptive
+policy itself) must equal the target alone (``ar``) token for
 token, in ``sd`` and ``psd``."""
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def engines(tmp_path_factory):
 
 class ScheduledK(KChooser):
     """Batch k from a fixed cycle (1, 3, 2, 4, ...), one value per draft decision; per request,
-    every third request of a plan (rotating) is left undrafted (k = 0, verified in its own call)."""
+    every third request of a plan (rotating) is left undrafted (k = 0, verified in its own call)
+    and requests 2, 3 (mod 4) draft one token fewer than the batch (ragged rows, at least 1)."""
 
     def __init__(self, stats) -> None:
         super().__init__("adaptive", K_MAX, stats)
@@ -71,7 +73,8 @@ class ScheduledK(KChooser):
     def draft_ks(self, request_ids: list[str], is_parallel: bool) -> dict[str, int]:
         ks = super().draft_ks(request_ids, is_parallel)
         self._num_plans += 1
-        return {rid: NO_DRAFT if (i + self._num_plans) % 3 == 0 else k for i, (rid, k) in enumerate(ks.items())}
+        return {rid: NO_DRAFT if (i + self._num_plans) % 3 == 0 else max(1, k - int(rid.rsplit("-", 1)[1]) // 2 % 2)
+                for i, (rid, k) in enumerate(ks.items())}
 
 
 async def _run(engines, mode: str, tag: str, k_policy: str = "fixed", forced: bool = False) -> tuple[list, set]:
@@ -80,6 +83,13 @@ async def _run(engines, mode: str, tag: str, k_policy: str = "fixed", forced: bo
                             verifier=verifier, engine_wait_s=30, k_policy=k_policy)
     servicer = CoordinatorServicer(cfg)
     scheduler, task = await start(cfg, servicer)
+    widths, verify = [], scheduler.engines.verify
+
+    async def recording_verify(step_id, request_ids, drafts, data_plane):
+        widths.append(sorted({len(d.token_ids) for d in drafts or ()}))
+        return await verify(step_id, request_ids, drafts, data_plane)
+
+    scheduler.engines.verify = recording_verify
     if forced:
         scheduler.chooser = ScheduledK(scheduler.spec_stats)
     try:
@@ -91,8 +101,9 @@ async def _run(engines, mode: str, tag: str, k_policy: str = "fixed", forced: bo
             requests.append(request)
         await asyncio.wait_for(scheduler.wait_idle(), 120)
         ks = {s.k for s in scheduler.totals.recent if s.num_draft_tokens}
-        if forced:  # some steps verified drafted and undrafted requests side by side
+        if forced:  # some steps verified drafted and undrafted requests side by side, some Verify
             assert any(0 < s.num_draft_tokens < s.k * s.num_verify for s in scheduler.totals.recent)
+            assert any(len(w) > 1 for w in widths), widths  # calls held rows of different k_i
         return [r.output_token_ids for r in requests], ks
     finally:
         task.cancel()

@@ -179,3 +179,18 @@ def test_dist_server_stops_while_idle_without_a_client_close():
     assert server.is_connected.wait(30)
     server.stop(timeout_s=5)  # the serving thread is blocked waiting for a request
     assert not server._thread.is_alive()
+
+
+def test_dist_ragged_rows_carry_their_k_and_are_checked(dist_plane):
+    """Ragged rows: each row's k_i travels with the probs; a fetch that describes the rows
+    otherwise (a Verify reading padding as drafts) raises ValueError; a bad k_i never publishes."""
+    server, client = dist_plane
+    probs = torch.rand(3, 4, 10)
+    probs[1, 1:] = 0
+    server.publish(2, ["a", "b", "c"], probs, [4, 1, 3])
+    assert torch.equal(client.fetch(2, ["c", "b"], [3, 1]), probs[[2, 1]])
+    server.publish(3, ["a", "b"], probs[:2], [4, 1])
+    with pytest.raises(ValueError, match=r"num_draft_tokens \[4, 4\] differ from the \[4, 1\]"):
+        client.fetch(3, ["a", "b"], [4, 4])
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        server.publish(4, ["a"], probs[:1], [5])

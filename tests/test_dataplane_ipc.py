@@ -207,3 +207,16 @@ def test_ipc_client_follows_a_drafter_restart_and_reports_a_stopped_one():
     with pytest.raises(DataPlaneUnavailableError, match="gone"):
         client.fetch(5, ["a", "b"])
     first.stop()
+
+
+def test_ipc_ragged_rows_carry_their_k_and_are_checked(ipc_plane):
+    """Each row's k_i is stored after the request ids; a fetch describing the rows otherwise raises."""
+    server, client = ipc_plane
+    probs = _probs(3, 4, 10)
+    probs[0, 2:] = 0
+    server.publish(5, ["a", "b", "c"], probs, [2, 4, 0])
+    assert torch.equal(client.fetch(5, ["b", "a"], [4, 2]), probs[[1, 0]])
+    with pytest.raises(ValueError, match=r"differ from the \[2\]"):
+        client.fetch(5, ["a"], [4])
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        server.publish(6, ["a"], probs[:1], [-1])
