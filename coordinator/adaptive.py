@@ -27,8 +27,8 @@ step cost it adds, from its own acceptance estimate alpha_i::
     dd(j) = t_draft(n, j) - t_draft(n - 1, j),   dv(j) = t_verify(n, j) - t_verify(n - 1, j)
 
 (its share of the step plus what drafting and verifying j tokens for one more row adds to the
-step: in psd only the binding side counts, so hidden draft positions are free), so a request whose drafts keep being rejected (E flat in j) drafts 1 token while a
-well-accepted one drafts k. Before the costs are measured every request gets k.
+step: in psd only the binding side counts, so hidden draft positions are free), so a request
+whose drafts keep being rejected (E flat in j) drafts 1 token while a well-accepted one drafts k. Before the costs are measured every request gets k.
 
 A request whose acceptance is even below ``min_request_alpha`` may be left undrafted (k = 0),
 except every ``probe_every_steps`` verify steps, when it is drafted again (at its k_i) to
@@ -202,8 +202,10 @@ class KChooser:
         others_ms = self._step_ms(others_draft, others_verify, is_parallel)
 
         def marginal_ms(k: int) -> float:  # what the row at k adds to the others' step (psd: the binding side)
-            row_draft, row_verify = cost.draft_ms(n, k) - cost.draft_ms(n - 1, k), cost.verify_ms(n, k) - cost.verify_ms(n - 1, k)
-            return max(self._step_ms(others_draft + row_draft, others_verify + row_verify, is_parallel) - others_ms, 0.0)
+            row_draft = cost.draft_ms(n, k) - cost.draft_ms(n - 1, k)
+            row_verify = cost.verify_ms(n, k) - cost.verify_ms(n - 1, k)
+            step_ms = self._step_ms(others_draft + row_draft, others_verify + row_verify, is_parallel)
+            return max(step_ms - others_ms, 0.0)
 
         rates = {k: expected_tokens(alpha, k) / max(share + marginal_ms(k), 1e-9) for k in range(1, batch_k + 1)}
         top = max(rates.values())

@@ -81,7 +81,8 @@ def join_prob_rows(drafts: Sequence[PendingDrafts]) -> common_pb2.Tensor | None:
     if any(len(d.probs_row) < row_bytes for d in drafts):
         raise ValueError(f"drafts: probs rows narrower than k = {num_cols}")
     shape = [len(drafts), num_cols, first.vocab_size]
-    return common_pb2.Tensor(shape=shape, dtype=first.probs_dtype, data=b"".join(d.probs_row[:row_bytes] for d in drafts))
+    data = b"".join(d.probs_row[:row_bytes] for d in drafts)
+    return common_pb2.Tensor(shape=shape, dtype=first.probs_dtype, data=data)
 
 
 @dataclass

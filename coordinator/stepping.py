@@ -171,7 +171,8 @@ class StepLoop:
         self.metrics.num_lazy_drafter_adds.inc(len(missing) - len(refused))
         return [r for r in requests if r.num_drafter_tokens > 0]
 
-    def _postprocess(self, verify_reqs, drafts, response: engine_pb2.VerifyResponse) -> tuple[int, list[int], list[int]]:
+    def _postprocess(self, verify_reqs, drafts,
+                     response: engine_pb2.VerifyResponse) -> tuple[int, list[int], list[int]]:
         """Commit each verified request's tokens; returns (tokens emitted, accepted count per
         request, its own k_i per request) for the requests still running."""
         outputs = {out.request_id: out for out in response.outputs}

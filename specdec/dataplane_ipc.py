@@ -14,10 +14,12 @@ Per step (MineDraft paper §5: the verifier needs the draft distribution q [b, k
 2. ``fetch(step_id, request_ids)``: read the slot's sequence word (even) and header, copy the
    rows into a fresh tensor on the verifier's device (a peer copy over NVLink between GPUs),
    synchronise, read the sequence word again: unchanged means the copy is consistent (a
-   seqlock); the rows' published k_i must equal the ones the Verify expects; else the step was overwritten (``DraftProbsMissingError``), as is a slot holding
+   seqlock); else the step was overwritten (``DraftProbsMissingError``), as is a slot holding
    another step (never drafted sampled, or ``num_slots`` steps old).
 The ring grows (a new buffer and descriptor, ``generation`` + 1) only if a step needs more
 bytes than a slot holds; the client re-opens the buffer when it sees a new generation.
+The rows' published k_i must equal the ones the Verify expects (``num_draft_tokens``), else
+ValueError: ragged rows described otherwise would read padding as drafts.
 Word-by-word writes rely on in-order stores between processes (x86-64 TSO).
 """
 

@@ -60,7 +60,7 @@ def engines(tmp_path_factory):
 class ScheduledK(KChooser):
     """Batch k from a fixed cycle (1, 3, 2, 4, ...), one value per draft decision; per request,
     every third request of a plan (rotating) is left undrafted (k = 0, verified in its own call)
-    and requests 2, 3 (mod 4) draft one token fewer than the batch (ragged rows, at least 1)."""
+    and every second drafted one drafts one token fewer than the batch (ragged rows, at least 1)."""
 
     def __init__(self, stats) -> None:
         super().__init__("adaptive", K_MAX, stats)
@@ -73,8 +73,8 @@ class ScheduledK(KChooser):
     def draft_ks(self, request_ids: list[str], is_parallel: bool) -> dict[str, int]:
         ks = super().draft_ks(request_ids, is_parallel)
         self._num_plans += 1
-        return {rid: NO_DRAFT if (i + self._num_plans) % 3 == 0 else max(1, k - int(rid.rsplit("-", 1)[1]) // 2 % 2)
-                for i, (rid, k) in enumerate(ks.items())}
+        drafted = [rid for i, rid in enumerate(ks) if (i + self._num_plans) % 3]
+        return {rid: max(1, ks[rid] - drafted.index(rid) % 2) if rid in drafted else NO_DRAFT for rid in ks}
 
 
 async def _run(engines, mode: str, tag: str, k_policy: str = "fixed", forced: bool = False) -> tuple[list, set]:
