@@ -189,9 +189,10 @@ def _eos_ids(tokenizer, target) -> tuple[int, ...]:
     return tuple(dict.fromkeys(t for t in [tokenizer.eos_token_id, *gen_eos] if t is not None))
 
 
-def build_dataset(cfg: DistillConfig, target, tokenizer, device: str):
+def build_dataset(cfg: DistillConfig, target, tokenizer, device: str, with_teacher: bool = True):
     """(train pairs, train teacher top-k, held-out chat pairs, held-out task pairs, task summary),
-    cached in the work dir; the task stage (``specdec.distill_tasks``) runs when ``num_task_prompts``."""
+    cached in the work dir; the task stage (``specdec.distill_tasks``) runs when ``num_task_prompts``.
+    ``with_teacher=False`` skips the teacher top-k (returned as None; EAGLE training recomputes it)."""
     prompts = load_prompts(cfg.data_dir)
     random.Random(cfg.seed).shuffle(prompts)
     texts = encode_prompt_texts(tokenizer, prompts, cfg.max_prompt_tokens)[:cfg.max_prompts + cfg.num_heldout]
@@ -221,6 +222,8 @@ def build_dataset(cfg: DistillConfig, target, tokenizer, device: str):
             cfg, tokenizer, docs, eval_turns, lambda ps, temp: generate_responses(target, ps, task_cfg, eos, pad, temp),
             lambda name, make: _cached(os.path.join(work, name), make))
         pairs = pairs + task_pairs
-    teacher = _cached(os.path.join(work, "teacher.pt"), lambda: teacher_topk(target, pairs, cfg, device))
+    teacher = None
+    if with_teacher:
+        teacher = _cached(os.path.join(work, "teacher.pt"), lambda: teacher_topk(target, pairs, cfg, device))
     held = _cached(os.path.join(work, "heldout.pt"), lambda: gen(heldout, 0.0))
     return pairs, teacher, held, task_held, task_summary
