@@ -158,11 +158,14 @@ class DrafterServicer(engine_pb2_grpc.DrafterServicer):
 
 
 def _row_ks(request: engine_pb2.DraftRequest) -> list[int]:
-    """k_i of each seq (``num_draft_tokens``, or k when unset). Raises ValueError outside [0, k]."""
+    """k_i of each seq (``num_draft_tokens``, or k when unset). Raises ValueError outside [0, k],
+    or when k exceeds every k_i (DraftRequest.num_speculative_tokens is the largest k_i)."""
     k = request.num_speculative_tokens
     if k < 0:
         raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
     ks = [seq.num_draft_tokens if seq.HasField("num_draft_tokens") else k for seq in request.seqs]
     if any(not 0 <= k_i <= k for k_i in ks):
         raise ValueError(f"num_draft_tokens must lie in [0, num_speculative_tokens={k}], got {ks}")
+    if ks and max(ks) != k:  # the response is padded to [b, k(, V)]: a k no row drafts is only memory
+        raise ValueError(f"num_speculative_tokens must be the largest num_draft_tokens {max(ks)}, got {k}")
     return ks

@@ -245,3 +245,38 @@ def test_errors_map_to_status_codes(services):
     decode = verifier.Verify(engine_pb2.VerifyRequest(request_ids=ids))  # k = 0 still works after errors
     assert [len(o.token_ids) for o in decode.outputs] == [1, 1]
     verifier.ReleaseRequests(engine_pb2.ReleaseRequest(request_ids=ids))
+
+
+def test_ragged_draft_k_must_be_the_largest_k_i_and_verify_k_i_must_match_the_draft(services):
+    """A Draft whose num_speculative_tokens exceeds every row's num_draft_tokens is refused
+    (the response is padded to k: an unbounded k was an unbounded allocation); a DIST Verify
+    whose num_draft_tokens differ from the Draft's is refused; neither leaks a slot."""
+    drafter, verifier = services["drafter"], services["verifier"]
+    seqs = seq_inits("ragged-bad")
+    ids = [s.request_id for s in seqs]
+    first = verifier.AddRequests(engine_pb2.AddRequestsRequest(seqs=seqs))
+    drafter.AddRequests(engine_pb2.AddRequestsRequest(seqs=seqs))
+    committed = [list(s.prompt_token_ids) + list(o.token_ids) for s, o in zip(seqs, first.outputs)]
+
+    def draft_request(step: int, k: int, ks: list[int]) -> engine_pb2.DraftRequest:
+        return engine_pb2.DraftRequest(step_id=step, num_speculative_tokens=k, data_plane=engine_pb2.DATA_PLANE_DIST,
+                                       seqs=[engine_pb2.DraftSeq(request_id=r, token_ids=c, num_draft_tokens=k_i)
+                                             for r, c, k_i in zip(ids, committed, ks)])
+
+    for k in (K + 1, 1 << 30):
+        assert _code(lambda: drafter.Draft(draft_request(7000, k, [1, K]))) == grpc.StatusCode.INVALID_ARGUMENT
+
+    def verify(step: int, ks: list[int]) -> engine_pb2.VerifyResponse:
+        draft = drafter.Draft(draft_request(step, K, [1, K]))
+        assert list(draft.num_draft_tokens) == [1, K]
+        return verifier.Verify(engine_pb2.VerifyRequest(
+            step_id=step, request_ids=ids, draft_token_ids=draft.draft_token_ids, num_draft_tokens=ks,
+            has_draft_probs=True, data_plane=engine_pb2.DATA_PLANE_DIST, draft_step_id=step))
+
+    # row 0 would read padding as drafts (the dist plane hands a step's probs out once: draft again)
+    assert _code(lambda: verify(7001, [K, K])) == grpc.StatusCode.INVALID_ARGUMENT
+    outputs = verify(7002, [1, K]).outputs
+    assert [o.num_accepted <= k_i for o, k_i in zip(outputs, [1, K])] == [True, True]
+    for stub in (drafter, verifier):
+        assert stub.ReleaseRequests(engine_pb2.ReleaseRequest(request_ids=ids)).num_released == len(ids)
+        assert stub.GetInfo(engine_pb2.EngineInfoRequest()).num_free_slots == MAX_NUM_SEQS
