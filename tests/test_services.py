@@ -275,6 +275,13 @@ def test_ragged_draft_k_must_be_the_largest_k_i_and_verify_k_i_must_match_the_dr
 
     # row 0 would read padding as drafts (the dist plane hands a step's probs out once: draft again)
     assert _code(lambda: verify(7001, [K, K])) == grpc.StatusCode.INVALID_ARGUMENT
+    for row0 in ([-1, 5], [5, 1 << 20]):  # a padding id inside k_i, an id past the vocab: named, nothing changed
+        with pytest.raises(grpc.RpcError) as info:
+            verifier.Verify(engine_pb2.VerifyRequest(
+                step_id=7003, request_ids=ids, num_draft_tokens=[2, 0],
+                draft_token_ids=tensor_to_proto(torch.tensor([row0, [-1, -1]], dtype=torch.int32))))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "draft_token_ids" in info.value.details() and ids[0] in info.value.details()
     outputs = verify(7002, [1, K]).outputs
     assert [o.num_accepted <= k_i for o, k_i in zip(outputs, [1, K])] == [True, True]
     for stub in (drafter, verifier):

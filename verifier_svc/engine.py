@@ -92,6 +92,7 @@ class VerifierEngine:
             raise KeyError(f"unknown request ids: {unknown}")
         draft_ids = self._draft_token_ids(request, len(ids))
         ks = _row_ks(request, len(ids), draft_ids.shape[1])
+        _check_draft_ids(ids, draft_ids, ks, self.worker.runner.input_vocab_size)
         start = time.perf_counter()
         with _tracer.start_as_current_span("verifier.data_plane_receive"):  # + broadcast to TP ranks
             probs = self._draft_probs(request, plane, ids, draft_ids.shape[1], ks)
@@ -202,3 +203,13 @@ def _row_ks(request: engine_pb2.VerifyRequest, batch_size: int, k: int) -> list[
     if len(ks) != batch_size or any(not 0 <= k_i <= k for k_i in ks):
         raise ValueError(f"num_draft_tokens must be {batch_size} values in [0, k={k}], got {ks}")
     return ks
+
+
+def _check_draft_ids(request_ids: list[str], draft_ids: torch.Tensor, ks: list[int], vocab_size: int) -> None:
+    """Raise ValueError naming the field and the request unless each row's first k_i draft ids
+    (the real drafts; the rest is padding) lie in [0, vocab_size)."""
+    for request_id, row, k_i in zip(request_ids, draft_ids.tolist(), ks):
+        bad = [t for t in row[:k_i] if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"draft_token_ids of {request_id!r} must lie in [0, {vocab_size}) at positions "
+                             f"< num_draft_tokens={k_i}, got {bad}")
