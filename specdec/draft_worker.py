@@ -91,13 +91,18 @@ class DraftWorker(Worker):
         Raises:
             DraftCapacityError: some sequences would exceed the draft ``max_model_len``
                 (raised before any state changes; see ``can_draft``).
-            KeyError / ValueError: unknown request, bad ``committed`` or ``k``.
+            KeyError / ValueError: unknown request, bad ``committed`` (start, or a token id
+                outside the input vocab) or ``k``; no state changes.
         """
         states = self._states(request_ids)
         ks = [k] * len(states) if isinstance(k, int) else list(k)
         if min(ks, default=0) < 0 or len(committed) != len(states) or len(ks) != len(states):
             raise ValueError(f"need k >= 0 and one committed entry and k per request, got k={k}, "
                              f"{len(committed)} entries for {len(states)} requests")
+        vocab_size = self.runner.input_vocab_size
+        bad = [rid for rid, (_, ids) in zip(request_ids, committed) if any(not 0 <= t < vocab_size for t in ids)]
+        if bad:  # checked before any state changes: a failed catch-up would leave the KV behind kv_token_ids
+            raise ValueError(f"committed token ids of {bad} must lie in [0, {vocab_size})")
         sequences = [_merge(s.committed, start, ids) for s, (start, ids) in zip(states, committed)]
         too_long = [r for r, seq, k_i in zip(request_ids, sequences, ks) if not self.can_draft(len(seq), k_i)]
         if too_long:

@@ -185,6 +185,26 @@ def test_draft_capacity_error_before_state_change(tiny_llama):
     assert len(tokens[0]) == 3
 
 
+def test_draft_bad_committed_ids_refused_before_state_change(tiny_llama):
+    """A committed token id outside the vocab (here two new tokens, the second bad) is refused
+    before any state changes; the request then drafts as if the bad call never happened (it
+    used to keep a KV shorter than its token list: every later call failed)."""
+    reference, draft = DraftWorker(_runner(tiny_llama)), DraftWorker(_runner(tiny_llama))
+    for worker in (reference, draft):
+        worker.add_request("a", PROMPTS[0], GREEDY)
+        worker.add_request("b", PROMPTS[1], GREEDY)
+    vocab_size = draft.runner.input_vocab_size
+    messages = []
+    for bad in (-1, vocab_size):
+        with pytest.raises(ValueError) as info:
+            draft.draft(["b", "a"], [(3, [2]), (5, [4, bad])], k=[1, 2])
+        messages.append(str(info.value))
+    assert draft.runner.seq_len(0) == len(PROMPTS[0]) and draft.runner.seq_len(1) == len(PROMPTS[1])
+    committed = [(3, [2, 6]), (5, [4, 8])]
+    assert draft.draft(["b", "a"], committed, k=[3, 2]) == reference.draft(["b", "a"], committed, k=[3, 2])
+    assert all("committed token ids of ['a']" in message for message in messages)
+
+
 def test_unseeded_requests_reproducible_with_worker_seed(tiny_llama):
     def run(seed):
         worker = TargetWorker(_runner(tiny_llama), seed=seed)
