@@ -287,3 +287,37 @@ def test_ragged_draft_k_must_be_the_largest_k_i_and_verify_k_i_must_match_the_dr
     for stub in (drafter, verifier):
         assert stub.ReleaseRequests(engine_pb2.ReleaseRequest(request_ids=ids)).num_released == len(ids)
         assert stub.GetInfo(engine_pb2.EngineInfoRequest()).num_free_slots == MAX_NUM_SEQS
+
+
+def test_inline_draft_probs_must_be_a_distribution_that_drafted_its_tokens(services):
+    """Client-sent draft_probs with NaN, a negative value, or q(draft token) = 0 at a real position
+    are INVALID_ARGUMENT naming draft_probs and the request (the sampler would emit garbage or
+    always accept); padding past k_i is not checked; the request still verifies afterwards."""
+    from conftest import TINY_VOCAB_SIZE
+
+    verifier = services["verifier"]
+    seqs = seq_inits("probs-bad")
+    ids = [s.request_id for s in seqs]
+    verifier.AddRequests(engine_pb2.AddRequestsRequest(seqs=seqs))
+    drafts = torch.tensor([[5, 6], [7, -1]], dtype=torch.int32)
+
+    def verify(probs: torch.Tensor) -> engine_pb2.VerifyResponse:
+        return verifier.Verify(engine_pb2.VerifyRequest(
+            request_ids=ids, draft_token_ids=tensor_to_proto(drafts), num_draft_tokens=[2, 1],
+            draft_probs=tensor_to_proto(probs), has_draft_probs=True, data_plane=engine_pb2.DATA_PLANE_INLINE))
+
+    good = torch.full((2, 2, TINY_VOCAB_SIZE), 1.0 / TINY_VOCAB_SIZE)
+    good[1, 1] = float("nan")                                  # padding (k_1 = 1): never read
+    for row, pos, value in ((0, 1, float("nan")), (1, 0, -0.5)):
+        bad = good.clone()
+        bad[row, pos, 9] = value
+        with pytest.raises(grpc.RpcError) as info:
+            verify(bad)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "draft_probs" in info.value.details() and ids[row] in info.value.details()
+    zero_q = good.clone()
+    zero_q[0, 1, 6] = 0.0                                      # q(d_2) = 0 for row 0's drafted token 6
+    assert _code(lambda: verify(zero_q)) == grpc.StatusCode.INVALID_ARGUMENT
+    outputs = verify(good).outputs
+    assert [o.num_accepted <= k_i for o, k_i in zip(outputs, [2, 1])] == [True, True]
+    verifier.ReleaseRequests(engine_pb2.ReleaseRequest(request_ids=ids))

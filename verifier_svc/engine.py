@@ -146,6 +146,8 @@ class VerifierEngine:
         expected = (len(ids), k, self.vocab_size)
         if tuple(probs.shape) != expected or probs.dtype not in PROBS_DTYPES:
             raise ValueError(f"draft_probs must be float {list(expected)}, got {probs.dtype} {list(probs.shape)}")
+        if plane != engine_pb2.DATA_PLANE_DIST:  # client-sent; the dist plane's come from our drafter
+            _check_probs_values(ids, probs, self._draft_token_ids(request, len(ids)), ks)
         return probs
 
     # ---- applied on every rank ------------------------------------------------------------
@@ -213,3 +215,15 @@ def _check_draft_ids(request_ids: list[str], draft_ids: torch.Tensor, ks: list[i
         if bad:
             raise ValueError(f"draft_token_ids of {request_id!r} must lie in [0, {vocab_size}) at positions "
                              f"< num_draft_tokens={k_i}, got {bad}")
+
+
+def _check_probs_values(request_ids: list[str], probs: torch.Tensor, draft_ids: torch.Tensor, ks: list[int]) -> None:
+    """Raise ValueError naming ``draft_probs`` and the request unless each real row (positions
+    < k_i) is finite, non-negative and gives its own draft token a positive probability (the
+    rejection sampler's q(d) > 0: a draft token was sampled from q). Padding is not read."""
+    for row, (request_id, k_i) in enumerate(zip(request_ids, ks)):
+        q = probs[row, :k_i].float()                                        # [k_i, V]
+        q_draft = q.gather(-1, draft_ids[row, :k_i].unsqueeze(-1).to(q.device))
+        if not bool(torch.isfinite(q).all()) or bool((q < 0).any()) or bool((q_draft <= 0).any()):
+            raise ValueError(f"draft_probs of {request_id!r} must be finite and >= 0 with q(draft token) > 0 "
+                             f"at positions < num_draft_tokens={k_i}")
