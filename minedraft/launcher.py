@@ -25,15 +25,14 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from minedraft.child_exec import NO_CPUS
+from minedraft.probes import NUM_LOG_TAIL_LINES, health_status, log_tail  # noqa: F401  (part of the launcher API)
 from minedraft.capacity import check_memory
 from minedraft.stack import ServiceSpec, StackConfig, build_service_specs, coordinator_spec
 
 POLL_S = 0.25
-NUM_LOG_TAIL_LINES = 40
 RESTARTABLE = ("drafter", "coordinator")  # their state is rebuilt after a restart (see the module docstring)
 OPTIONAL = ("drafter",)  # the stack serves without it (``ar`` fallback) once it is out of restarts
 MAX_RESTARTS = 5  # per service, in a row (see STABLE_S)
@@ -59,25 +58,6 @@ def resolve_model_dir(model: str, timeout_s: float = 900.0) -> str:
     if proc.returncode != 0:
         raise StackError(f"cannot resolve model {model!r}: {proc.stderr.strip()}")
     return proc.stdout.strip().splitlines()[-1]
-
-
-def health_status(address: str, timeout_s: float = 2.0) -> int | None:
-    """The overall grpc.health.v1 status of ``address``, or None when it does not answer."""
-    try:
-        with grpc.insecure_channel(address) as channel:
-            return health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s).status
-    except grpc.RpcError:
-        return None
-
-
-def log_tail(path: str, num_lines: int = NUM_LOG_TAIL_LINES) -> str:
-    """The last ``num_lines`` lines of a log file ("" when missing)."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return "".join(f.readlines()[-num_lines:])
-    except OSError:
-        return ""
 
 
 @dataclass
