@@ -21,6 +21,14 @@ GENERATE_EPILOG = ("exit status: 0 done; 2 the gateway refused the request (INVA
                    "--gateway), printed as 'error: <status code>: <details>'")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (``--max-tokens 0`` would mean "unset" on the wire)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_stack_args(p: argparse.ArgumentParser) -> None:
     """Flags of ``minedraft up`` (also used by ``minedraft demo``)."""
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens: draft tokens per step")
@@ -84,7 +92,7 @@ def add_prompts_args(p: argparse.ArgumentParser) -> None:
     """Flags of ``minedraft prompts`` (also used by ``minedraft demo``)."""
     p.add_argument("--limit", type=int, default=32, help="first N prompts of the file")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
-    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    p.add_argument("--max-tokens", type=positive_int, default=128, help="output tokens per request")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=None, help="per-request seed base (seed + index)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens")
@@ -168,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream one answer from a running stack", epilog=GENERATE_EPILOG)
     gen.add_argument("prompt")
     gen.add_argument("--gateway", default=DEFAULT_GATEWAY)
-    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--max-tokens", type=positive_int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--raw", dest="chat", action="store_false", help="send as raw text, not a chat message")

@@ -136,3 +136,14 @@ def test_results_json_is_strict_json(tmp_path):
     write_json(str(path), {"ar": {"acceptance_rate": math.nan, "tok_s": 1.5, "xs": [math.nan, 2]}})
     assert json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict {c}")) == {
         "ar": {"acceptance_rate": None, "tok_s": 1.5, "xs": [None, 2]}}
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["prompts", "prompts.jsonl"], ["demo"]])
+def test_max_tokens_zero_or_negative_is_refused_by_the_cli(command, capsys):
+    from minedraft.cli import build_parser
+
+    for bad in ("0", "-3"):
+        with pytest.raises(SystemExit) as info:
+            build_parser().parse_args([*command, "--max-tokens", bad])
+        assert info.value.code == 2 and "--max-tokens: must be >= 1" in capsys.readouterr().err
+    assert build_parser().parse_args([*command, "--max-tokens", "5"]).max_tokens == 5
