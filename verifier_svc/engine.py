@@ -95,7 +95,7 @@ class VerifierEngine:
         _check_draft_ids(ids, draft_ids, ks, self.worker.runner.input_vocab_size)
         start = time.perf_counter()
         with _tracer.start_as_current_span("verifier.data_plane_receive"):  # + broadcast to TP ranks
-            probs = self._draft_probs(request, plane, ids, draft_ids.shape[1], ks)
+            probs = self._draft_probs(request, plane, ids, draft_ids, ks)
             command = engine_pb2.VerifyRequest()
             command.CopyFrom(request)
             command.ClearField("draft_probs")
@@ -131,11 +131,12 @@ class VerifierEngine:
             raise ValueError(f"draft_token_ids must be int [b={batch_size}, k], got {ids.dtype} {tuple(ids.shape)}")
         return ids.long()
 
-    def _draft_probs(self, request, plane: int, ids: list[str], k: int, ks: list[int]) -> torch.Tensor | None:
+    def _draft_probs(self, request, plane: int, ids: list[str], draft_ids: torch.Tensor, ks: list[int]) -> torch.Tensor | None:
         """[b, k, V] draft probs: inline, or fetched from the plane (checked against the rows'
         k_i, and cut to k columns when the Draft call drafted wider)."""
         if not request.has_draft_probs:
             return None
+        k = draft_ids.shape[1]
         if k == 0:
             raise ValueError("has_draft_probs is set but there are no draft tokens (k = 0)")
         if plane == engine_pb2.DATA_PLANE_DIST:
@@ -147,7 +148,7 @@ class VerifierEngine:
         if tuple(probs.shape) != expected or probs.dtype not in PROBS_DTYPES:
             raise ValueError(f"draft_probs must be float {list(expected)}, got {probs.dtype} {list(probs.shape)}")
         if plane != engine_pb2.DATA_PLANE_DIST:  # client-sent; the dist plane's come from our drafter
-            _check_probs_values(ids, probs, self._draft_token_ids(request, len(ids)), ks)
+            _check_probs_values(ids, probs, draft_ids, ks)
         return probs
 
     # ---- applied on every rank ------------------------------------------------------------
