@@ -265,6 +265,21 @@ def _restart_or_raise(stack: Stack, restarts: dict[str, int], log) -> None:
         log(f"warning: restart failed, retrying: {str(exc).splitlines()[0]}")
 
 
+def banner_lines(cfg: StackConfig, run_dir: str) -> list[str]:
+    """What ``minedraft up`` prints once every service is SERVING: mode, the gateway's gRPC address,
+    its OpenAI HTTP API, every Prometheus ``/metrics`` address (the gateway's, on the HTTP port, and
+    the coordinator's ``--metrics-port``; the engines serve none), the logs, and how to stop."""
+    http = f"http://{cfg.host}:{cfg.http_port}"
+    lines = [f"MineDraft up: mode {cfg.mode}, gateway gRPC {cfg.host}:{cfg.gateway_port}, logs {run_dir}",
+             f"  OpenAI HTTP API: {http}/v1" if cfg.http_port else "  OpenAI HTTP API: off (--http-port 0)",
+             f"  metrics: gateway {http}/metrics" if cfg.http_port else "  metrics: gateway off (no HTTP port)"]
+    lines[-1] += (f", coordinator http://{cfg.host}:{cfg.metrics_port}/metrics" if cfg.metrics_port
+                  else ", coordinator off (--metrics-port 0)")
+    lines[-1] += "; drafter and verifier serve none"
+    lines.append("  running in the foreground: Ctrl-C stops every service")
+    return lines
+
+
 def run_until_signal(cfg: StackConfig, log=print) -> int:
     """``minedraft up``: start the stack, serve until SIGINT/SIGTERM or a service that cannot be
     restarted dies (``restart_exited``), stop it.
@@ -278,7 +293,8 @@ def run_until_signal(cfg: StackConfig, log=print) -> int:
     stack = Stack(cfg)
     try:
         stack.start(resolve_model_dir(cfg.target), log)
-        log(f"MineDraft up: mode {cfg.mode}, gateway {cfg.host}:{cfg.gateway_port}, logs {stack.run_dir}")
+        for line in banner_lines(cfg, stack.run_dir):
+            log(line)
         restarts: dict[str, int] = {}
         while True:
             _restart_or_raise(stack, restarts, log)
