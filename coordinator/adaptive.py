@@ -8,8 +8,13 @@ Per batch (PSD batch 0 or 1, or the one ``sd`` batch of n requests) the next k m
 expected committed tokens per unit of step time (``coordinator.cost_model``)::
 
     k* = argmax_{1 <= k <= k_max}  n * E(alpha, k) / T(n, k)   (the smallest k within 1% of the max)
-    T = max(t_draft(n, k), t_verify(n, k))   in psd (drafting overlaps the other batch's verify)
-    T = t_draft(n, k) + t_verify(n, k)        in sd
+    T = max(t_draft(n, k), t_verify(n, k)) + t_fixed   in psd (drafting overlaps the other batch's verify)
+    T = t_draft(n, k) + t_verify(n, k) + t_fixed        in sd
+
+t_fixed is the step's measured time beyond the engines' critical compute (RPCs, the
+coordinator's own work; ``StepCostModel.overhead_ms``). No k changes it, but it dilutes what a
+shorter draft saves: on the GPU of BENCHMARKS.md it was 3-4 ms of a 13 ms psd step, and without
+it the choice drifted to k = 2-3 on verify-time noise while k = 4 committed more tokens per step.
 
 With t_verify flat in k (memory-bound verifier) the psd optimum sits where t_draft(k) reaches
 t_verify (Lemma 2); in sd it is the classic trade-off of Leviathan et al. 2023, §3.4. t_verify is
@@ -104,13 +109,19 @@ class SpeculationStats:
 
     def observe_verified(self, request_id: str, k: int, num_accepted: int) -> None:
         """A request was verified with ``k`` draft tokens (0 = none) and ``num_accepted`` accepted."""
-        record = self._record(request_id)
-        if k == NO_DRAFT:
-            record.num_steps_undrafted += 1
-            return
-        record.num_steps_undrafted = 0
-        record.acceptance.observe(k, num_accepted)
-        self.acceptance.observe(k, num_accepted)
+        self.observe_call([(request_id, k, num_accepted)])
+
+    def observe_call(self, verified: list[tuple[str, int, int]]) -> None:
+        """The ``(request_id, k, num_accepted)`` of every request of one Verify call (k = 0: not
+        drafted). Each request's estimate ages per its own draft; the batch estimate per call."""
+        for request_id, k, num_accepted in verified:
+            record = self._record(request_id)
+            if k == NO_DRAFT:
+                record.num_steps_undrafted += 1
+                continue
+            record.num_steps_undrafted = 0
+            record.acceptance.observe(k, num_accepted)
+        self.acceptance.observe_call([(k, num_accepted) for _, k, num_accepted in verified])
 
     def request_alpha(self, request_id: str) -> float:
         """The request's acceptance estimate (the batch's before its first verified draft)."""
@@ -172,8 +183,7 @@ class KChooser:
     def goodput(self, num_requests: int, k: int, is_parallel: bool) -> float:
         """Expected committed tokens per ms of a step with ``num_requests`` at ``k`` (0 = ar)."""
         cost = self.stats.cost
-        t_draft, t_verify = cost.draft_ms(num_requests, k), cost.verify_ms(num_requests, k)
-        step_ms = max(t_draft, t_verify) if is_parallel else t_draft + t_verify
+        step_ms = self._step_ms(cost.draft_ms(num_requests, k), cost.verify_ms(num_requests, k), is_parallel)
         tokens = num_requests * expected_tokens(self.stats.acceptance.alpha, k)
         return tokens / step_ms if step_ms > 0 else 0.0
 
@@ -193,27 +203,33 @@ class KChooser:
     def own_k(self, request_id: str, batch_k: int, num_requests: int, is_parallel: bool) -> int:
         """k_i in [1, ``batch_k``] of one request of a batch of ``num_requests`` at ``batch_k``:
         its expected tokens per unit of step cost, maximised (module docstring)."""
+        costs = self._row_costs(batch_k, num_requests, is_parallel)
+        return batch_k if costs is None else _best_own_k(self.stats.request_alpha(request_id), costs)
+
+    def _row_costs(self, batch_k: int, num_requests: int, is_parallel: bool) -> list[float] | None:
+        """ms one row of the batch costs at k_i = 1..``batch_k``: its share of the step plus what
+        drafting and verifying k_i tokens for it adds (module docstring); the same for every
+        request of the batch, so computed once per Draft call. None: every row gets ``batch_k``."""
         cost = self.stats.cost
         if not self.is_adaptive or not cost.is_known or batch_k <= 1 or num_requests <= 0:
-            return batch_k
-        n, alpha = num_requests, self.stats.request_alpha(request_id)
+            return None
+        n = num_requests
         share = self._step_ms(cost.draft_ms(n, batch_k), cost.verify_ms(n, batch_k), is_parallel) / n
         others_draft, others_verify = cost.draft_ms(n - 1, batch_k), cost.verify_ms(n - 1, batch_k)
         others_ms = self._step_ms(others_draft, others_verify, is_parallel)
-
-        def marginal_ms(k: int) -> float:  # what the row at k adds to the others' step (psd: the binding side)
+        costs = []
+        for k in range(1, batch_k + 1):  # psd: only the binding side counts
             row_draft = cost.draft_ms(n, k) - cost.draft_ms(n - 1, k)
             row_verify = cost.verify_ms(n, k) - cost.verify_ms(n - 1, k)
             step_ms = self._step_ms(others_draft + row_draft, others_verify + row_verify, is_parallel)
-            return max(step_ms - others_ms, 0.0)
+            costs.append(share + max(step_ms - others_ms, 0.0))
+        return costs
 
-        rates = {k: expected_tokens(alpha, k) / max(share + marginal_ms(k), 1e-9) for k in range(1, batch_k + 1)}
-        top = max(rates.values())
-        return min(k for k, rate in rates.items() if rate >= top * (1.0 - K_TIE_TOLERANCE))
-
-    @staticmethod
-    def _step_ms(t_draft: float, t_verify: float, is_parallel: bool) -> float:
-        return max(t_draft, t_verify) if is_parallel else t_draft + t_verify
+    def _step_ms(self, t_draft: float, t_verify: float, is_parallel: bool) -> float:
+        """A step's ms: the engines' critical compute plus the measured fixed per-step overhead
+        (RPCs, the coordinator's own work; ``StepCostModel.overhead_ms``), which no k changes."""
+        critical = max(t_draft, t_verify) if is_parallel else t_draft + t_verify
+        return critical + self.stats.cost.overhead_ms
 
     def draft_ks(self, request_ids: list[str], is_parallel: bool) -> dict[str, int]:
         """k_i of each request of one batch's next Draft call: :meth:`own_k` under the batch's
@@ -221,7 +237,8 @@ class KChooser:
         :meth:`request_k` when verifying them in a call of their own (k = 0) is expected to pay
         (module docstring). Deterministic between Draft calls."""
         k = self.batch_k(len(request_ids), is_parallel)
-        ks = {rid: self.own_k(rid, k, len(request_ids), is_parallel) for rid in request_ids}
+        costs = self._row_costs(k, len(request_ids), is_parallel)
+        ks = {rid: k if costs is None else _best_own_k(self.stats.request_alpha(rid), costs) for rid in request_ids}
         low = {rid for rid in request_ids if self.request_k(rid, k) == NO_DRAFT}
         if not low or not self._is_split_better(ks, low, is_parallel):
             return ks
@@ -240,3 +257,11 @@ class KChooser:
                                  cost.verify_ms(n_high, k_high) + cost.verify_ms(len(low), 0), is_parallel)
         split_tokens = sum(t for rid, t in tokens.items() if rid not in low) + len(low)
         return split_tokens / max(split_ms, 1e-9) > one_call
+
+
+def _best_own_k(alpha: float, costs: list[float]) -> int:
+    """The k_i (1-based index into ``costs``, ms per row at k_i) with the most expected tokens
+    per ms at acceptance ``alpha``; the smallest within ``K_TIE_TOLERANCE`` of the best."""
+    rates = [expected_tokens(alpha, k) / max(ms, 1e-9) for k, ms in enumerate(costs, start=1)]
+    top = max(rates)
+    return 1 + next(i for i, rate in enumerate(rates) if rate >= top * (1.0 - K_TIE_TOLERANCE))

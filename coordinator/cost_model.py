@@ -149,10 +149,17 @@ class AcceptanceEstimate:
 
     def observe(self, k: int, num_accepted: int) -> None:
         """One verified draft of ``k`` tokens of which ``num_accepted`` were accepted (0..k)."""
-        if k <= 0:
+        self.observe_call([(k, num_accepted)])
+
+    def observe_call(self, drafts: list[tuple[int, int]]) -> None:
+        """The verified drafts ``(k, num_accepted)`` of one Verify call, aged together: the past
+        decays once per call, so a batch estimate remembers about ``1 / (1 - decay)`` calls
+        whatever the batch size (aged per draft, 16 rows would leave it less than one call)."""
+        drafts = [(k, a) for k, a in drafts if k > 0]
+        if not drafts:
             return
-        self.num_accepted = self.decay * self.num_accepted + num_accepted
-        self.num_rejected = self.decay * self.num_rejected + (1.0 if num_accepted < k else 0.0)
+        self.num_accepted = self.decay * self.num_accepted + sum(a for _, a in drafts)
+        self.num_rejected = self.decay * self.num_rejected + sum(1.0 for k, a in drafts if a < k)
         self.num_observed += 1
 
     @property
@@ -173,6 +180,7 @@ class StepCostModel:
         self.num_draft_calls = 0  # Draft calls observed (paces exploration in coordinator.adaptive)
         self.num_verify_calls = 0
         self._last_verify_call: dict[int, int] = {}  # k -> num_verify_calls at its last observation
+        self._overhead = LinearFit(decay)  # its decayed mean: ms of a step beyond its critical compute
 
     @property
     def is_known(self) -> bool:
@@ -192,6 +200,17 @@ class StepCostModel:
             age = self.num_verify_calls - self._last_verify_call.get(k, self.num_verify_calls - 1)
             self._last_verify_call[k] = self.num_verify_calls
             self.verify_by_k.setdefault(k, LinearFit(self.decay)).observe(num_requests, verify_ms, age)
+
+    def observe_step(self, wall_ms: float, critical_ms: float) -> None:
+        """One coordinator step of ``wall_ms`` whose engine compute on the critical path took
+        ``critical_ms`` (psd: the longer of the overlapped draft and verify; sd: their sum)."""
+        self._overhead.observe(0.0, max(wall_ms - critical_ms, 0.0))
+
+    @property
+    def overhead_ms(self) -> float:
+        """Smoothed fixed cost of a step beyond the engines' compute (RPCs, the coordinator's own
+        work), ms; 0 before any step. It does not grow with k, so it favours longer drafts."""
+        return self._overhead.mean_point[1]  # decayed mean; (0, 0) before any step
 
     def draft_ms(self, num_requests: int, k: int) -> float:
         return k * self.draft_per_forward.predict(num_requests) if num_requests and k else 0.0

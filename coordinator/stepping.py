@@ -176,6 +176,9 @@ class StepLoop:
         """Commit each verified request's tokens; returns (tokens emitted, accepted count per
         request, its own k_i per request) for the requests still running."""
         outputs = {out.request_id: out for out in response.outputs}
+        self.spec_stats.observe_call([(r.request_id, len(drafts[i].token_ids) if drafts else NO_DRAFT,
+                                       outputs[r.request_id].num_accepted) for i, r in enumerate(verify_reqs)
+                                      if r.status == RequestStatus.RUNNING and r.request_id in outputs])
         num_emitted, accepted, ks = 0, [], []
         for i, request in enumerate(verify_reqs):
             k = len(drafts[i].token_ids) if drafts else NO_DRAFT
@@ -186,7 +189,6 @@ class StepLoop:
             if out is None:
                 self._retire(request, None, error=(grpc.StatusCode.INTERNAL, "verifier returned no output"))
                 continue
-            self.spec_stats.observe_verified(request.request_id, k, out.num_accepted)
             before, accepted_before = len(request.output_token_ids), request.num_accepted_tokens
             self._commit(request, list(out.token_ids), list(out.logprobs), k, out.num_accepted,
                          list(out.top_logprobs))
@@ -225,6 +227,8 @@ class StepLoop:
             idle_ms=max(wall_ms - times.verify_ms, 0.0), wall_ms=wall_ms, is_parallel=is_parallel,
         )
         self.totals.record(stats)
+        critical_ms = max(times.draft_ms, times.verify_ms) if is_parallel else times.draft_ms + times.verify_ms
+        self.spec_stats.cost.observe_step(wall_ms, critical_ms)  # the fixed cost the k policy adds to T
         if self.cfg.mode == Mode.AUTO:  # live goodput of the mode auto chose (coordinator.auto_mode)
             self.auto.observe_step(str(mode), num_emitted, wall_ms)
         finish_step(step_trace, stats, times.phases)
