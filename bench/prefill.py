@@ -11,7 +11,10 @@ every rep with new lengths (as in service, where every prompt has a length of it
 
 A time is the host wall time of one ``add_requests`` call ending with a device synchronize; the
 slots are released after each rep. Rep 0 includes first-use costs (allocator growth, kernel
-selection); the table gives every rep. Model weights do not matter for the time: the default
+selection); the table gives every rep. ``--profile N`` also profiles N more one-prompt
+``add_requests`` calls (after 2 unprofiled ones) with ``torch.profiler`` (ops by host and by
+device time) and ``cProfile`` (Python functions by cumulative time), into ``prefill_profile.txt``:
+where a launch-bound prefill spends its host time. Model weights do not matter for the time: the default
 target is ``random:smollm2-135m`` (**random weights**, SmolLM2-135M's shape). Writes
 ``prefill.json`` and ``prefill.md`` under ``--out``.
 
@@ -78,6 +81,38 @@ def run_variant(args, budget: int, allow_cudnn: bool, lengths: list[list[int]]) 
         slot_attention.DYNAMIC_SDPA_BACKENDS = default_backends
 
 
+def profile_adds(args, num_calls: int) -> str:
+    """Text report of ``num_calls`` one-prompt ``add_requests`` (one forward each), profiled."""
+    import cProfile
+    import io
+    import pstats
+
+    cfg = ModelConfig(model=args.model, dtype=args.dtype, device=args.device, cuda_graph_precapture=False,
+                      max_prefill_tokens=0)
+    runner = ModelRunner(cfg, CacheConfig(max_num_seqs=2, max_model_len=args.max_len + 8))
+    worker, rng = TargetWorker(runner, seed=0), random.Random(args.seed)
+    lengths = [[rng.randint(args.min_len, args.max_len)] for _ in range(num_calls + 2)]
+    time_adds(worker, args.device, lengths[:2], runner.vocab_size, args.seed)  # first-use costs
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.device(args.device).type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        times = time_adds(worker, args.device, lengths[2:], runner.vocab_size, args.seed + 1)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    py_times = time_adds(worker, args.device, lengths[2:], runner.vocab_size, args.seed + 2)
+    profiler.disable()
+    stream = io.StringIO()
+    pstats.Stats(profiler, stream=stream).sort_stats("cumulative").print_stats(45)
+    averages = prof.key_averages()
+    sections = [f"{num_calls} one-prompt add_requests, lengths {[n for (n,) in lengths[2:]]}: ms {times} "
+                f"(under torch.profiler), {py_times} (under cProfile)",
+                averages.table(sort_by="self_cpu_time_total", row_limit=35)]
+    if torch.device(args.device).type == "cuda":
+        sections.append(averages.table(sort_by="self_cuda_time_total", row_limit=20))
+    return "\n\n".join(sections + [stream.getvalue()])
+
+
 def to_markdown(result: dict) -> str:
     lines = [f"# Prefill of {result['num_prompts']} new-length prompts per add_requests", "",
              f"{result['date']}, {result['device_name']}, model `{result['model']}` ({result['dtype']})"
@@ -103,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-prefill-tokens", type=int, default=8192, help="the batched variant's budget")
     parser.add_argument("--with-cudnn", action="store_true", help="CUDA: also time cuDNN SDPA allowed")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also profile N one-prompt add_requests -> prefill_profile.txt")
     parser.add_argument("--out", required=True, help="output stem dir")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
@@ -118,6 +155,9 @@ def main(argv: list[str] | None = None) -> dict:
               "model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts, "num_reps": args.num_reps,
               "lengths": lengths, "variants": variants, "torch": torch.__version__}
     write_results(os.path.join(args.out, "prefill"), result, to_markdown(result))
+    if args.profile > 0:
+        with open(os.path.join(args.out, "prefill_profile.txt"), "w") as f:
+            f.write(profile_adds(args, args.profile))
     return result
 
 

@@ -30,3 +30,12 @@ def test_allowing_cudnn_is_undone_after_the_variant(monkeypatch):
     before = list(slot_attention.DYNAMIC_SDPA_BACKENDS)
     prefill.run_variant(args, 0, True, [[3, 4]])
     assert "CUDNN_ATTENTION" in str(seen[0]) and slot_attention.DYNAMIC_SDPA_BACKENDS == before
+
+
+def test_profile_writes_op_and_python_tables(tmp_path):
+    prefill.main(["--model", "random:tiny-llama", "--num-prompts", "1", "--num-reps", "1", "--min-len", "4",
+                  "--max-len", "12", "--profile", "2", "--out", str(tmp_path)])
+    report = (tmp_path / "prefill_profile.txt").read_text()
+    assert report.startswith("2 one-prompt add_requests")
+    assert "aten::mm" in report or "aten::addmm" in report  # the op table
+    assert "add_requests" in report and "cumulative" in report  # cProfile's table, sorted by cumulative time
