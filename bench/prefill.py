@@ -113,6 +113,29 @@ def profile_adds(args, num_calls: int) -> str:
     return "\n\n".join(sections + [stream.getvalue()])
 
 
+def compare_causal_with_mask(args, length: int = 300) -> dict:
+    """Max |logit difference| of one whole-prompt prefill through the batched layout's causal
+    shortcut (``CAUSAL_MASK``) and through its explicit mask, on ``args.device``/``args.dtype``."""
+    from specdec import kv_cache
+
+    cfg = ModelConfig(model=args.model, dtype=args.dtype, device=args.device, cuda_graph_precapture=False)
+    runner = ModelRunner(cfg, CacheConfig(max_num_seqs=1, max_model_len=length + 8))
+    runner.cache.is_rowwise = False
+    tokens = random.Random(args.seed).choices(range(100, runner.vocab_size), k=length)
+    original, logits = kv_cache.SlotKVCache._batch_mask, []
+    for is_masked in (False, True):
+        if is_masked:  # as if the prompt were padded: the explicit-mask path
+            kv_cache.SlotKVCache._batch_mask = lambda cache, p, s, n, u, kv: original(cache, p, s, n, False, kv)
+        try:
+            slot = runner.allocate_slot()
+            logits.append(runner.prefill([slot], [tokens], torch.float32).float())
+            runner.free_slot(slot)
+        finally:
+            kv_cache.SlotKVCache._batch_mask = original
+    return {"length": length, "max_abs_logit_diff": float((logits[0] - logits[1]).abs().max()),
+            "is_argmax_equal": bool(torch.equal(logits[0].argmax(-1), logits[1].argmax(-1)))}
+
+
 def to_markdown(result: dict) -> str:
     lines = [f"# Prefill of {result['num_prompts']} new-length prompts per add_requests", "",
              f"{result['date']}, {result['device_name']}, model `{result['model']}` ({result['dtype']})"
@@ -123,6 +146,8 @@ def to_markdown(result: dict) -> str:
     for name, times in result["variants"].items():
         lines.append(f"| {name} | " + " | ".join(f"{t:.1f}" for t in times)
                      + f" | {', '.join(str(sum(rep)) for rep in result['lengths'])} |")
+    if "causal_vs_mask" in result:
+        lines += ["", f"causal shortcut vs explicit mask, one prefill: `{result['causal_vs_mask']}`"]
     return "\n".join(lines) + "\n"
 
 
@@ -140,6 +165,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also profile N one-prompt add_requests -> prefill_profile.txt")
+    parser.add_argument("--check-paths", action="store_true",
+                        help="also compare the causal shortcut with the explicit mask (max |logit diff|)")
     parser.add_argument("--out", required=True, help="output stem dir")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
@@ -154,6 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
               "command": "python bench/prefill.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts, "num_reps": args.num_reps,
               "lengths": lengths, "variants": variants, "torch": torch.__version__}
+    if args.check_paths:
+        result["causal_vs_mask"] = compare_causal_with_mask(args)
     write_results(os.path.join(args.out, "prefill"), result, to_markdown(result))
     if args.profile > 0:
         with open(os.path.join(args.out, "prefill_profile.txt"), "w") as f:

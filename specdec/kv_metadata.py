@@ -42,8 +42,10 @@ class SlotAttentionMetadata:
         write_rows, write_cols: ``[n]`` int64, slot and position of each real (non-padding)
             token, in row-major order of the batch.
         is_real: ``[b, q]`` bool, True for real tokens; None when every token is real.
-        attn_mask: batched layout: ``[b, 1, q, kv_len]`` bool, True where a query may attend a
-            cached key; None in the row-wise layout.
+        attn_mask: batched layout: ``[b, 1, G * q, kv_len]`` bool, True where a query may attend
+            a cached key, the ``G`` query heads of a KV head folded into the query axis (row
+            ``g * q + t`` is token t), or ``CAUSAL_MASK`` when every row is a whole prompt in an
+            empty slot without padding; None in the row-wise layout.
         kv_len: number of cache positions read (max over rows of the new sequence length).
         first_slot: ``slot_ids[0]`` when the slots are consecutive ascending ids (then the
             cache is read as a view, no gather), else ``NOT_CONSECUTIVE``.
@@ -61,7 +63,7 @@ class SlotAttentionMetadata:
     write_rows: torch.Tensor
     write_cols: torch.Tensor
     is_real: torch.Tensor | None
-    attn_mask: torch.Tensor | None
+    attn_mask: torch.Tensor | str | None
     kv_len: int
     first_slot: int
     row_slots: tuple[int, ...] = ()

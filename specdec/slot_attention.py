@@ -84,8 +84,27 @@ def slot_attention_forward(
         if meta.is_rowwise:
             k_cache, v_cache = meta.cache.k[module.layer_idx], meta.cache.v[module.layer_idx]
             return _rowwise_attention(query, k_cache, v_cache, meta, scaling), None
+        if isinstance(meta.attn_mask, str) and meta.attn_mask == CAUSAL_MASK:  # whole prompts, empty slots
+            return _causal_prefill_attention(query, key, value, meta.cache.dtype, scaling), None
         k_all, v_all = meta.cache.read(module.layer_idx, meta)
         return _grouped_attention(query, k_all, v_all, meta.attn_mask, scaling), None
+
+
+def _causal_prefill_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache_dtype: torch.dtype, scaling: float | None,
+) -> torch.Tensor:
+    """Batched layout, every row a whole prompt in an empty slot (``CAUSAL_MASK``): causal SDPA
+    over the new keys/values themselves (as stored: rounded to the cache dtype), grouped-query
+    heads by ``enable_gqa``; the same result as reading them back from the cache under the
+    causal mask, without the mask, its repeat and the cache read.
+
+    Shapes: query ``[b, H, q, d]``, key/value ``[b, KVH, q, d]``; returns ``[b, q, H, d]``.
+    """
+    k_all = key.to(cache_dtype).to(query.dtype)
+    v_all = value.to(cache_dtype).to(query.dtype)
+    out = F.scaled_dot_product_attention(query, k_all, v_all, dropout_p=0.0, is_causal=True, scale=scaling,
+                                         enable_gqa=True)                                # [b, H, q, d]
+    return out.transpose(1, 2).contiguous()
 
 
 def _grouped_attention(
@@ -95,18 +114,17 @@ def _grouped_attention(
     """Batched grouped-query SDPA without repeating K/V (module docstring).
 
     Shapes: query ``[b, H, q, d]``; k_all/v_all ``[b, KVH, kv_len, d]``; attn_mask
-    ``[b, 1, q, kv_len]`` bool; returns ``[b, q, H, d]``.
+    ``[b, 1, G * q, kv_len]`` bool, already folded (``SlotKVCache._batch_mask``); returns
+    ``[b, q, H, d]``.
     """
     batch, num_heads, q_len, head_dim = query.shape
     num_kv_heads = k_all.shape[1]
     num_groups = num_heads // num_kv_heads
-    if num_groups == 1:
-        folded, mask = query, attn_mask
-    else:
-        folded = query.reshape(batch, num_kv_heads, num_groups * q_len, head_dim)
-        mask = attn_mask.repeat(1, 1, num_groups, 1)                   # [b, 1, G*q, kv_len]
+    if attn_mask.shape[2] != num_groups * q_len:
+        raise ValueError(f"attn_mask must be folded to [b, 1, {num_groups * q_len}, kv_len], got {tuple(attn_mask.shape)}")
+    folded = query.reshape(batch, num_kv_heads, num_groups * q_len, head_dim)
     out = F.scaled_dot_product_attention(
-        folded, k_all.to(query.dtype), v_all.to(query.dtype), attn_mask=mask, dropout_p=0.0,
+        folded, k_all.to(query.dtype), v_all.to(query.dtype), attn_mask=attn_mask, dropout_p=0.0,
         scale=scaling,
     )                                                                    # [b, KVH, G*q, d]
     return out.reshape(batch, num_heads, q_len, head_dim).transpose(1, 2).contiguous()

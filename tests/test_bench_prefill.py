@@ -39,3 +39,11 @@ def test_profile_writes_op_and_python_tables(tmp_path):
     assert report.startswith("2 one-prompt add_requests")
     assert "aten::mm" in report or "aten::addmm" in report  # the op table
     assert "add_requests" in report and "cumulative" in report  # cProfile's table, sorted by cumulative time
+
+
+def test_check_paths_compares_the_causal_shortcut_with_the_mask(tmp_path):
+    result = prefill.main(["--model", "random:tiny-llama", "--num-prompts", "1", "--num-reps", "1", "--min-len", "4",
+                           "--max-len", "12", "--check-paths", "--out", str(tmp_path)])
+    check = result["causal_vs_mask"]
+    assert check["is_argmax_equal"] and 0.0 <= check["max_abs_logit_diff"] < 1e-4   # float32, CPU
+    assert "causal shortcut vs explicit mask" in (tmp_path / "prefill.md").read_text()
