@@ -32,7 +32,7 @@ def test_grouped_attention_equals_repeated_kv_reference(num_heads, num_kv_heads,
     groups = num_heads // num_kv_heads
     expected = F.scaled_dot_product_attention(query, repeat_kv(keys, groups), repeat_kv(values, groups),
                                               attn_mask=mask).transpose(1, 2)
-    got = _grouped_attention(query, keys, values, mask, scaling=None)
+    got = _grouped_attention(query, keys, values, mask.repeat(1, 1, groups, 1), scaling=None)  # folded mask
     assert got.shape == (batch, q_len, num_heads, head_dim)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
