@@ -116,22 +116,16 @@ def profile_adds(args, num_calls: int) -> str:
 def compare_causal_with_mask(args, length: int = 300) -> dict:
     """Max |logit difference| of one whole-prompt prefill through the batched layout's causal
     shortcut (``CAUSAL_MASK``) and through its explicit mask, on ``args.device``/``args.dtype``."""
-    from specdec import kv_cache
-
     cfg = ModelConfig(model=args.model, dtype=args.dtype, device=args.device, cuda_graph_precapture=False)
     runner = ModelRunner(cfg, CacheConfig(max_num_seqs=1, max_model_len=length + 8))
     runner.cache.is_rowwise = False
     tokens = random.Random(args.seed).choices(range(100, runner.vocab_size), k=length)
-    original, logits = kv_cache.SlotKVCache._batch_mask, []
-    for is_masked in (False, True):
-        if is_masked:  # as if the prompt were padded: the explicit-mask path
-            kv_cache.SlotKVCache._batch_mask = lambda cache, p, s, n, u, kv: original(cache, p, s, n, False, kv)
-        try:
-            slot = runner.allocate_slot()
-            logits.append(runner.prefill([slot], [tokens], torch.float32).float())
-            runner.free_slot(slot)
-        finally:
-            kv_cache.SlotKVCache._batch_mask = original
+    logits = []
+    for is_shortcut in (True, False):  # False: the explicit-mask path, as for a padded batch
+        runner.cache.is_causal_shortcut = is_shortcut
+        slot = runner.allocate_slot()
+        logits.append(runner.prefill([slot], [tokens], torch.float32).float())
+        runner.free_slot(slot)
     return {"length": length, "max_abs_logit_diff": float((logits[0] - logits[1]).abs().max()),
             "is_argmax_equal": bool(torch.equal(logits[0].argmax(-1), logits[1].argmax(-1)))}
 

@@ -52,7 +52,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from coordinator.cost_model import AcceptanceEstimate, StepCostModel, expected_tokens
+from coordinator.cost_model import AcceptanceEstimate, StepCostModel, critical_ms, expected_tokens
 
 NO_DRAFT = 0  # a request verified without draft tokens this step
 K_TIE_TOLERANCE = 0.01  # the smallest k within this fraction of the best goodput is taken
@@ -200,12 +200,6 @@ class KChooser:
         return (self.is_adaptive and self.stats.request_alpha(request_id) < self.stats.cfg.min_request_alpha
                 and self.stats.is_probe_due(request_id))
 
-    def own_k(self, request_id: str, batch_k: int, num_requests: int, is_parallel: bool) -> int:
-        """k_i in [1, ``batch_k``] of one request of a batch of ``num_requests`` at ``batch_k``:
-        its expected tokens per unit of step cost, maximised (module docstring)."""
-        costs = self._row_costs(batch_k, num_requests, is_parallel)
-        return batch_k if costs is None else _best_own_k(self.stats.request_alpha(request_id), costs)
-
     def _row_costs(self, batch_k: int, num_requests: int, is_parallel: bool) -> list[float] | None:
         """ms one row of the batch costs at k_i = 1..``batch_k``: its share of the step plus what
         drafting and verifying k_i tokens for it adds (module docstring); the same for every
@@ -228,14 +222,13 @@ class KChooser:
     def _step_ms(self, t_draft: float, t_verify: float, is_parallel: bool) -> float:
         """A step's ms: the engines' critical compute plus the measured fixed per-step overhead
         (RPCs, the coordinator's own work; ``StepCostModel.overhead_ms``), which no k changes."""
-        critical = max(t_draft, t_verify) if is_parallel else t_draft + t_verify
-        return critical + self.stats.cost.overhead_ms
+        return critical_ms(t_draft, t_verify, is_parallel) + self.stats.cost.overhead_ms
 
     def draft_ks(self, request_ids: list[str], is_parallel: bool) -> dict[str, int]:
-        """k_i of each request of one batch's next Draft call: :meth:`own_k` under the batch's
-        k (ragged rows), or :data:`NO_DRAFT` for the low-acceptance requests of
-        :meth:`request_k` when verifying them in a call of their own (k = 0) is expected to pay
-        (module docstring). Deterministic between Draft calls."""
+        """k_i of each request of one batch's next Draft call: its own k_i under the batch's k
+        (ragged rows; ``_best_own_k`` over the batch's ``_row_costs``), or :data:`NO_DRAFT` for
+        the low-acceptance requests of :meth:`request_k` when verifying them in a call of their
+        own (k = 0) is expected to pay (module docstring). Deterministic between Draft calls."""
         k = self.batch_k(len(request_ids), is_parallel)
         costs = self._row_costs(k, len(request_ids), is_parallel)
         ks = {rid: k if costs is None else _best_own_k(self.stats.request_alpha(rid), costs) for rid in request_ids}

@@ -53,6 +53,12 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def critical_ms(t_draft: float, t_verify: float, is_parallel: bool) -> float:
+    """Engine compute on a step's critical path (ms): the longer of draft and verify when they
+    overlap (psd), else their sum (sd; ``t_draft`` 0 in ar)."""
+    return max(t_draft, t_verify) if is_parallel else t_draft + t_verify
+
+
 class LinearFit:
     """Decayed least-squares fit ``y = a + b * x`` with ``a, b >= 0``.
 

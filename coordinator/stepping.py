@@ -28,6 +28,7 @@ from minedraft.v1 import engine_pb2
 
 from coordinator.adaptive import NO_DRAFT
 from coordinator.config import Mode
+from coordinator.cost_model import critical_ms
 from coordinator.fallback import add_committed
 from coordinator.finish import apply_finish
 from coordinator.request import RequestState, RequestStatus
@@ -227,8 +228,8 @@ class StepLoop:
             idle_ms=max(wall_ms - times.verify_ms, 0.0), wall_ms=wall_ms, is_parallel=is_parallel,
         )
         self.totals.record(stats)
-        critical_ms = max(times.draft_ms, times.verify_ms) if is_parallel else times.draft_ms + times.verify_ms
-        self.spec_stats.cost.observe_step(wall_ms, critical_ms)  # the fixed cost the k policy adds to T
+        critical = critical_ms(times.draft_ms, times.verify_ms, is_parallel)
+        self.spec_stats.cost.observe_step(wall_ms, critical)  # the fixed cost the k policy adds to T
         if self.cfg.mode == Mode.AUTO:  # live goodput of the mode auto chose (coordinator.auto_mode)
             self.auto.observe_step(str(mode), num_emitted, wall_ms)
         finish_step(step_trace, stats, times.phases)

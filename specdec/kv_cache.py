@@ -72,6 +72,7 @@ class SlotKVCache:
         self.device = torch.device(device)
         self.num_query_groups = num_query_groups
         self.is_rowwise = self.device.type == "cpu" if is_rowwise is None else is_rowwise
+        self.is_causal_shortcut = True  # batched layout: whole prompts in empty slots skip the mask (_batch_mask)
         self.scratch_slot = max_num_seqs if num_scratch_slots else None
         shape = (max_num_seqs + num_scratch_slots, num_kv_heads, max_model_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
@@ -143,7 +144,7 @@ class SlotKVCache:
         On an H200 a one-prompt admission spent 6-7 ms building this mask on the host and 3-4 ms
         repeating it in each of the 30 layers, of ~40 ms (``bench/prefill.py --profile``)."""
         q_len = positions.shape[1]
-        if q_len > 1 and is_unpadded and not any(starts):
+        if self.is_causal_shortcut and q_len > 1 and is_unpadded and not any(starts):
             return CAUSAL_MASK
         key_pos = torch.arange(kv_len, dtype=torch.int64, device=self.device)                    # [kv]
         lens = torch.tensor(new_lens, dtype=torch.int64).to(self.device)                         # [b]
