@@ -55,6 +55,11 @@ FIELD_HELP = {
     "num_task_heldout": "held-out task prompts", "num_task_samples": "sampled responses per task prompt besides the greedy one",
     "task_corpus": "corpus JSON (.json/.json.gz) of python -m specdec.task_corpus (default: collect from this system)",
     "max_task_prompt_tokens": "drop longer task prompts (tokens)", "task_new_tokens": "task response length (0: max_new_tokens)",
+    "num_self_prompts": "chat prompts sampled from the target itself (specdec.self_prompts, Magpie) and answered greedily",
+    "max_self_prompt_tokens": "longest self-sampled query (tokens; longer ones are dropped)",
+    "self_prompt_temperature": "temperature of the self-sampled queries",
+    "data_budget_s": "stop sampling new self-prompt chunks once the run took this many seconds (0: none)",
+    "is_data_only": "build and cache the generated data (no teacher logits, no training), then exit",
     "init_draft": "draft dir to warm-start the layers from (fewer layers: grown, see distill_tasks.warm_start)",
 }
 
@@ -95,18 +100,24 @@ class DistillConfig:
     max_task_prompt_tokens: int = 1024
     task_new_tokens: int = 0
     init_draft: str | None = None
+    num_self_prompts: int = 0
+    max_self_prompt_tokens: int = 128
+    self_prompt_temperature: float = 1.0
+    data_budget_s: float = 0.0
+    is_data_only: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "max_prompts", "max_prompt_tokens", "max_new_tokens", "top_k_logits",
-                     "gen_batch_size", "batch_size", "num_epochs", "checkpoint_every"):
+                     "gen_batch_size", "batch_size", "num_epochs", "checkpoint_every", "max_self_prompt_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("num_samples", "num_heldout", "draft_vocab_size", "time_budget_s", "num_task_prompts",
-                     "num_task_heldout", "num_task_samples", "max_task_prompt_tokens", "task_new_tokens"):
+                     "num_task_heldout", "num_task_samples", "max_task_prompt_tokens", "task_new_tokens",
+                     "num_self_prompts", "data_budget_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not self.lr > 0 or not self.sample_temperature > 0:
-            raise ValueError("lr and sample_temperature must be > 0")
+        if not self.lr > 0 or not self.sample_temperature > 0 or not self.self_prompt_temperature > 0:
+            raise ValueError("lr, sample_temperature and self_prompt_temperature must be > 0")
         if self.init_layers and len(self.init_layers) != self.num_layers:
             raise ValueError(f"init_layers must have num_layers={self.num_layers} entries")
         if self.save_dtype not in ("bfloat16", "float32"):
@@ -235,7 +246,12 @@ def run(cfg: DistillConfig) -> dict:
     os.makedirs(cfg.work_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
     target, tokenizer = load_target(cfg, device)
-    pairs, teacher, held, task_held, task_summary = build_dataset(cfg, target, tokenizer, device)
+    if cfg.is_data_only:
+        pairs, _, held, task_held, summary = build_dataset(cfg, target, tokenizer, device, with_teacher=False, t0=t0)
+        return {**summary, "num_train_sequences": len(pairs), "num_train_tokens": sum(len(r) for _, r in pairs),
+                "num_heldout_sequences": len(held), "num_task_heldout_sequences": len(task_held),
+                "wall_time_s": round(time.perf_counter() - t0, 1), "work_dir": cfg.work_dir}
+    pairs, teacher, held, task_held, task_summary = build_dataset(cfg, target, tokenizer, device, t0=t0)
     if device.startswith("cuda"):
         torch.cuda.empty_cache()  # hand generation's cached blocks back (a concurrent run shares the GPU)
     layers = cfg.init_layers or default_init_layers(target.config.num_hidden_layers, cfg.num_layers)
@@ -277,9 +293,13 @@ def parse_args(argv: list[str] | None) -> DistillConfig:
     for f in DistillConfig.__dataclass_fields__.values():
         if f.name in ("target", "out_dir", "init_layers"):
             continue
+        help_text = f"{FIELD_HELP.get(f.name, '')} (default: %(default)s)"
+        if isinstance(f.default, bool):
+            ap.add_argument("--" + f.name.removeprefix("is_").replace("_", "-"), dest=f.name, action="store_true",
+                            help=help_text)
+            continue
         kind = type(f.default) if f.default is not None else str
-        ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
-                        help=f"{FIELD_HELP.get(f.name, '')} (default: %(default)s)")
+        ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=help_text)
     ns = vars(ap.parse_args(argv))
     ns["init_layers"] = tuple(int(x) for x in ns["init_layers"].split(",") if x.strip())
     if ns["init_layers"]:

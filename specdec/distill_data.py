@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -159,9 +160,12 @@ def target_to_draft_index(vocab_ids: torch.Tensor | None, vocab_size: int) -> to
     return lut
 
 
-def _cached(path: str, make):
+def _cached(path: str, make, skip: bool = False):
+    """``torch.load(path)`` if it exists, else ``make()`` saved there; ``skip``: None instead of making."""
     if os.path.exists(path):
         return torch.load(path, weights_only=False)
+    if skip:
+        return None
     value = make()
     torch.save(value, path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -189,10 +193,20 @@ def _eos_ids(tokenizer, target) -> tuple[int, ...]:
     return tuple(dict.fromkeys(t for t in [tokenizer.eos_token_id, *gen_eos] if t is not None))
 
 
-def build_dataset(cfg: DistillConfig, target, tokenizer, device: str, with_teacher: bool = True):
-    """(train pairs, train teacher top-k, held-out chat pairs, held-out task pairs, task summary),
-    cached in the work dir; the task stage (``specdec.distill_tasks``) runs when ``num_task_prompts``.
-    ``with_teacher=False`` skips the teacher top-k (returned as None; EAGLE training recomputes it)."""
+def eval_turns(data_dir: str) -> list[str]:
+    """Every turn of the evaluation set (Spec-Bench) under ``data_dir`` ([] when absent)."""
+    path = os.path.join(data_dir, EVAL_FILE)
+    return [t for row in _read_rows(path) for t in row.get("turns", [])] if os.path.exists(path) else []
+
+
+def build_dataset(cfg: DistillConfig, target, tokenizer, device: str, with_teacher: bool = True,
+                  t0: float | None = None):
+    """(train pairs, train teacher top-k, held-out chat pairs, held-out task pairs, summary),
+    cached in the work dir; the self-prompt stage (``specdec.self_prompts``) runs when
+    ``num_self_prompts``, the task stage (``specdec.distill_tasks``) when ``num_task_prompts``.
+    ``with_teacher=False`` skips the teacher top-k (returned as None; EAGLE training recomputes it).
+    ``t0``: ``time.perf_counter()`` at the start of the run, for ``cfg.data_budget_s`` (None: now)."""
+    t0 = time.perf_counter() if t0 is None else t0
     prompts = load_prompts(cfg.data_dir)
     random.Random(cfg.seed).shuffle(prompts)
     texts = encode_prompt_texts(tokenizer, prompts, cfg.max_prompt_tokens)[:cfg.max_prompts + cfg.num_heldout]
@@ -212,16 +226,22 @@ def build_dataset(cfg: DistillConfig, target, tokenizer, device: str, with_teach
         pairs = pairs + _cached(os.path.join(work, f"sampled{s}.pt"), lambda: gen(train, cfg.sample_temperature))
     pairs = [p for p in pairs if p[1]]
     task_held, task_summary = [], {}
+    turns = eval_turns(cfg.data_dir)
     if cfg.num_task_prompts:
         from specdec import distill_tasks
         docs = distill_tasks.documents(tokenizer, [t for t, _ in texts[cfg.num_heldout:]], greedy)
-        eval_path = os.path.join(cfg.data_dir, EVAL_FILE)
-        eval_turns = [t for row in _read_rows(eval_path) for t in row.get("turns", [])] if os.path.exists(eval_path) else []
         task_cfg = replace(cfg, max_new_tokens=cfg.task_new_tokens or cfg.max_new_tokens)
         task_pairs, task_held, task_summary = distill_tasks.build_task_stage(
-            cfg, tokenizer, docs, eval_turns, lambda ps, temp: generate_responses(target, ps, task_cfg, eos, pad, temp),
+            cfg, tokenizer, docs, turns, lambda ps, temp: generate_responses(target, ps, task_cfg, eos, pad, temp),
             lambda name, make: _cached(os.path.join(work, name), make))
         pairs = pairs + task_pairs
+    if cfg.num_self_prompts:
+        from specdec import self_prompts, task_prompts
+        self_pairs, self_summary = self_prompts.build_self_stage(
+            cfg, target, tokenizer, task_prompts.eval_ngrams(turns), lambda ps: gen(ps, 0.0),
+            lambda name, make, skip=False: _cached(os.path.join(work, name), make, skip), t0)
+        pairs = pairs + self_pairs
+        task_summary = {**task_summary, **self_summary}
     teacher = None
     if with_teacher:
         teacher = _cached(os.path.join(work, "teacher.pt"), lambda: teacher_topk(target, pairs, cfg, device))
