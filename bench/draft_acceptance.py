@@ -7,7 +7,8 @@ Method (plain HF forwards, no serving stack):
   (translation, summarization, qa, math_reasoning, rag). First ``--num-per-category`` prompts of
   at most ``--max-prompt-tokens`` tokens per category.
 - Trajectory: the TARGET generates up to ``--max-new-tokens`` tokens (greedy at T=0, sampled at
-  T=1; batched per category, left-padded; stops at EOS).
+  T=1; ``--gen-batch-size`` prompts per left-padded batch, in category order; stops at EOS).
+  Spec-Bench's own harness generates up to 1024 tokens; ``--max-new-tokens`` defaults to 64 (CPU time).
   Speculative decoding is lossless, so this is distributed as SD's own output.
 - Per-position acceptance probability ``beta_j`` along the trajectory, both models teacher-forced
   on it: T=0: ``beta_j = 1[argmax q_j == argmax p_j]`` (exact: a greedy draft token is accepted iff
@@ -27,7 +28,8 @@ Method (plain HF forwards, no serving stack):
 
 Usage: ``python bench/draft_acceptance.py --draft drafts/smollm2-135m-instruct``. ``--device cuda
 --acceptance-only --target-dir <HF dir>`` runs only the acceptance part on a GPU (to compare
-drafts right after training; the committed figures come from the CPU run).
+drafts right after training; the committed figures come from the CPU run). Several ``--draft``
+dirs are scored on the same target trajectories (results ``<out-name>_d<i>``).
 """
 
 from __future__ import annotations
@@ -92,6 +94,13 @@ def trajectory_betas(target, draft, prompts: list[list[int]], temperature: float
     """Target trajectories of up to ``max_new`` tokens (batched, left-padded generation) and
     ``beta_j`` per generated position ``[n_i]`` for each prompt."""
     pairs = trajectories(target, prompts, temperature, max_new, eos, int(torch.randint(0, 2**31, (1,), generator=gen)))
+    return pair_betas(target, draft, pairs, temperature, chunk)
+
+
+@torch.no_grad()
+def pair_betas(target, draft, pairs: list[tuple[list[int], list[int]]], temperature: float,
+               chunk: int = 4) -> list[torch.Tensor]:
+    """``beta_j`` per response position ``[n_i]`` of each ``(prompt, response)``, both models teacher-forced."""
     device = target.device
     betas = []
     for start in range(0, len(pairs), chunk):
@@ -105,6 +114,20 @@ def trajectory_betas(target, draft, prompts: list[list[int]], temperature: float
             else:
                 betas.append(torch.minimum(_probs(p_i, temperature), _probs(q_i, temperature)).sum(-1).clamp(0, 1).cpu())
     return betas
+
+
+def category_trajectories(target, prompts: dict[str, list[list[int]]], temperature: float, max_new: int, eos: int,
+                          gen: torch.Generator, batch_size: int) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """Target trajectories per category, generated ``batch_size`` prompts at a time across categories
+    (one seed per batch from ``gen``)."""
+    flat = [(c, p) for c, ps in prompts.items() for p in ps]
+    out: dict[str, list] = defaultdict(list)
+    for start in tqdm(range(0, len(flat), batch_size), desc=f"T={temperature} trajectories"):
+        batch = flat[start:start + batch_size]
+        seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+        for (cat, _), pair in zip(batch, trajectories(target, [p for _, p in batch], temperature, max_new, eos, seed)):
+            out[cat].append(pair)
+    return dict(out)
 
 
 def simulate(betas: torch.Tensor, k: int, num_trials: int, gen: torch.Generator) -> tuple[list[int], list[int]]:
@@ -247,11 +270,14 @@ def write_markdown(res: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--draft", default="drafts/smollm2-135m-instruct")
+    ap.add_argument("--draft", nargs="+", default=["drafts/smollm2-135m-instruct"],
+                    help="draft dir(s); several are scored on the same target trajectories, results <out-name>_d<i>")
     ap.add_argument("--spec-bench", default=SPEC_BENCH)
     ap.add_argument("--num-per-category", type=int, default=16)
     ap.add_argument("--max-prompt-tokens", type=int, default=768)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=64,
+                    help="trajectory length (Spec-Bench's own protocol generates up to 1024)")
+    ap.add_argument("--gen-batch-size", type=int, default=16, help="prompts per trajectory generate() call")
     ap.add_argument("--num-trials", type=int, default=20)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--num-iters", type=int, default=20)
@@ -265,19 +291,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--acceptance-only", action="store_true", help="skip the real-SD check and the CPU timing")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    target_dir = args.target_dir or resolve_target_dir(read_meta(args.draft), args.draft)
+    target_dir = args.target_dir or resolve_target_dir(read_meta(args.draft[0]), args.draft[0])
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(args.device).eval()
-    draft = load_draft(args.draft, ModelConfig(model=args.draft, device=args.device), target_model=target)
+    drafts = [load_draft(d, ModelConfig(model=d, device=args.device), target_model=target) for d in args.draft]
     prompts = load_prompts(tokenizer, args.spec_bench, args.num_per_category, args.max_prompt_tokens)
     gen = torch.Generator().manual_seed(args.seed)
-    acceptance = {}
+    acceptance: list[dict] = [{} for _ in drafts]
     for temp in TEMPERATURES:
-        betas = {c: trajectory_betas(target, draft, ps, temp, args.max_new_tokens, tokenizer.eos_token_id, gen)
-                 for c, ps in tqdm(prompts.items(), desc=f"T={temp} categories")}
-        acceptance[str(temp)] = acceptance_table(betas, args.num_trials, args.seed)
-        print(f"T={temp}: k=4 mean acceptance length {acceptance[str(temp)]['all'][4]['mean_acceptance_length']:.3f}",
-              flush=True)
+        pairs = category_trajectories(target, prompts, temp, args.max_new_tokens, tokenizer.eos_token_id, gen,
+                                      args.gen_batch_size)
+        for i, draft in enumerate(drafts):
+            betas = {c: pair_betas(target, draft, ps, temp) for c, ps in pairs.items()}
+            acceptance[i][str(temp)] = acceptance_table(betas, args.num_trials, args.seed)
+            print(f"{args.draft[i]} T={temp}: k=4 mean acceptance length "
+                  f"{acceptance[i][str(temp)]['all'][4]['mean_acceptance_length']:.3f}", flush=True)
+    for i, (path, draft) in enumerate(zip(args.draft, drafts)):
+        name = args.out_name if len(drafts) == 1 else f"{args.out_name}_d{i}"
+        write_results(args, path, draft, target, prompts, acceptance[i], gen, name)
+    return 0
+
+
+def write_results(args, path: str, draft, target, prompts, acceptance: dict, gen: torch.Generator, name: str) -> None:
+    """Real-SD cross-check and CPU timing (unless ``--acceptance-only``), then ``<name>.json/.md``."""
     check, fwd = {}, {}
     for temp in TEMPERATURES if not args.acceptance_only else ():
         counts = [c for ps in prompts.values() for p in ps[:args.num_check_per_category]
@@ -287,17 +323,15 @@ def main(argv: list[str] | None = None) -> int:
     for b in (1, 16) if not args.acceptance_only else ():
         d, t = (forward_ms(m, b, args.context, args.num_iters) for m in (draft, target))
         fwd[str(b)] = {"draft": d, "target": t, "ratio": d / t}
-    res = {"draft": args.draft, "target": read_meta(args.draft).target, "method": __doc__.split("\n\n", 1)[1],
+    res = {"draft": path, "target": read_meta(path).target, "method": __doc__.split("\n\n", 1)[1],
            "num_prompts": {c: len(p) for c, p in prompts.items()}, "max_new_tokens": args.max_new_tokens,
            "acceptance": acceptance, "real_sd_check": check, "forward_ms": fwd, "device": args.device,
-           "draft_training": read_meta(args.draft).training}
+           "draft_training": read_meta(path).training}
     os.makedirs(args.results_dir, exist_ok=True)
-    with open(os.path.join(args.results_dir, args.out_name + ".json"), "w", encoding="utf-8") as f:
+    with open(os.path.join(args.results_dir, name + ".json"), "w", encoding="utf-8") as f:
         json.dump(res, f, indent=2)
-    write_markdown(res, os.path.join(args.results_dir, args.out_name + ".md"))
+    write_markdown(res, os.path.join(args.results_dir, name + ".md"))
     print(json.dumps(fwd, indent=2))
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
