@@ -44,7 +44,7 @@ case "$PHASE" in
     for n in 64 1024; do
       python3 bench/draft_acceptance.py --draft drafts/smollm2-135m-instruct /root/distill_out/draft \
           --target-dir "$T" --device cuda --acceptance-only --num-per-category 16 --gen-batch-size 96 \
-          --max-new-tokens $n --results-dir "$OUT" --out-name "acc$n" 2>&1 | grep -v "it/s\]$"
+          --spec-bench .gpu6/data/spec_bench/question.jsonl --max-new-tokens $n --results-dir "$OUT" --out-name "acc$n" 2>&1 | grep -v "it/s\]$"
     done ;;
   *) echo "usage: $0 data|train|eval [BUDGET_S]" >&2; exit 2 ;;
 esac

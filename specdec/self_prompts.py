@@ -5,10 +5,9 @@ chat template up to the start of a user turn (the *pre-query template*) samples 
 from the distribution it was tuned on. The target then answers each query (greedy), and the
 draft is distilled on those answers like on the offline chat prompts.
 
-Why: the offline prompt files hold ~1,400 chat prompts. The round-3 draft, trained on them for
-8 epochs, agreed with the target (teacher-forced greedy top-1) on 0.78 of the tokens of its own
-training prompts but on 0.41 of unseen MT-Bench prompts: it learned the prompts, not the target.
-Self-written queries give as many fresh prompts as generation time allows, with no hub download.
+Why: the offline prompt files hold ~1,400 chat prompts, mostly Arena-Hard; self-written queries
+give as many fresh, varied chat prompts as generation time allows, with no hub download
+(``drafts/smollm2-135m-instruct/README.md``, round 6, has what they bought).
 
 Queries are sampled in chunks of ``gen_batch_size``; each chunk (queries + greedy answers) is a
 work-dir cache file, so a rerun resumes, and ``data_budget_s`` stops sampling new chunks once the
