@@ -290,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="device of the acceptance part (cost is always CPU)")
     ap.add_argument("--acceptance-only", action="store_true", help="skip the real-SD check and the CPU timing")
     args = ap.parse_args(argv)
+    for name in ("num_per_category", "max_new_tokens", "gen_batch_size", "num_trials"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     torch.set_num_threads(1)
     target_dir = args.target_dir or resolve_target_dir(read_meta(args.draft[0]), args.draft[0])
     tokenizer = AutoTokenizer.from_pretrained(target_dir)

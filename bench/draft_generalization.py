@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "draft_generalization.json"))
     args = ap.parse_args(argv)
+    for name in ("num_prompts", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     target_dir = resolve_target_dir(read_meta(args.draft[0]), args.draft[0])
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -46,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
             "spec_bench_multi_turn": load_prompts(tokenizer, os.path.join(args.data_dir, "spec_bench/question.jsonl")
                                                   if os.path.isdir(args.data_dir) else SPEC_BENCH,
                                                   args.num_prompts, 768)[MULTI_TURN]}
+    for name, ps in sets.items():
+        if not ps:
+            raise SystemExit(f"no {name} prompts under --data-dir {args.data_dir}")
     pairs = {name: trajectories(target, ps, 0.0, args.max_new_tokens, tokenizer.eos_token_id, args.seed)
              for name, ps in sets.items()}
     res = {"method": __doc__.split("\n\n")[1], "num_prompts": args.num_prompts,

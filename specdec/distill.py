@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from specdec import draft_format as fmt
 from specdec.distill_data import (  # noqa: F401  (re-exported: the public distill API)
-    DEFAULT_DATA_DIR, EVAL_FILE, TRAIN_FILES, _eos_ids, build_dataset, encode_prompt_texts, encode_prompts,
+    DEFAULT_DATA_DIR, EVAL_FILE, TRAIN_FILES, _eos_ids, build_dataset, data_key, encode_prompt_texts, encode_prompts,
     frequent_token_ids, generate_responses, load_prompts, load_target, pad_batch, response_coverage,
     target_to_draft_index, teacher_topk)
 
@@ -116,8 +116,9 @@ class DistillConfig:
                      "num_self_prompts", "data_budget_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not self.lr > 0 or not self.sample_temperature > 0 or not self.self_prompt_temperature > 0:
-            raise ValueError("lr, sample_temperature and self_prompt_temperature must be > 0")
+        for name in ("lr", "sample_temperature", "self_prompt_temperature"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.init_layers and len(self.init_layers) != self.num_layers:
             raise ValueError(f"init_layers must have num_layers={self.num_layers} entries")
         if self.save_dtype not in ("bfloat16", "float32"):
@@ -252,6 +253,9 @@ def run(cfg: DistillConfig) -> dict:
                 "num_heldout_sequences": len(held), "num_task_heldout_sequences": len(task_held),
                 "wall_time_s": round(time.perf_counter() - t0, 1), "work_dir": cfg.work_dir}
     pairs, teacher, held, task_held, task_summary = build_dataset(cfg, target, tokenizer, device, t0=t0)
+    if not pairs:
+        raise ValueError(f"no training sequences: no prompt of data_dir {cfg.data_dir!r} or of the task and "
+                         "self-prompt stages was kept")
     if device.startswith("cuda"):
         torch.cuda.empty_cache()  # hand generation's cached blocks back (a concurrent run shares the GPU)
     layers = cfg.init_layers or default_init_layers(target.config.num_hidden_layers, cfg.num_layers)
@@ -266,7 +270,8 @@ def run(cfg: DistillConfig) -> dict:
         warm_start(draft, cfg.init_draft, target.model.embed_tokens.weight, tuple(layers))
     agree_before = top1_agreement(draft, target, held, device, cfg.batch_size)
     task_before = top1_agreement(draft, target, task_held, device, cfg.batch_size) if task_held else None
-    summary = train(cfg, draft, pairs, teacher, device, tag="-".join(map(str, layers)), t0=t0)
+    tag = "-".join(map(str, layers)) + "_" + data_key(pairs)  # a checkpoint belongs to one training set
+    summary = train(cfg, draft, pairs, teacher, device, tag=tag, t0=t0)
     summary.update(top1_agreement_heldout=top1_agreement(draft, target, held, device, cfg.batch_size),
                    top1_agreement_heldout_before=agree_before, num_train_sequences=len(pairs),
                    num_heldout_sequences=len(held), wall_time_s=round(time.perf_counter() - t0, 1),
@@ -304,7 +309,10 @@ def parse_args(argv: list[str] | None) -> DistillConfig:
     ns["init_layers"] = tuple(int(x) for x in ns["init_layers"].split(",") if x.strip())
     if ns["init_layers"]:
         ns["num_layers"] = len(ns["init_layers"])
-    return DistillConfig(**ns)
+    try:
+        return DistillConfig(**ns)
+    except ValueError as exc:
+        ap.error(str(exc))  # exits 2 with the usage line, like argparse's own errors
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ Everything is cached in the work dir (``torch.save``), so a rerun resumes.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import time
@@ -25,6 +26,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 if TYPE_CHECKING:
     from specdec.distill import DistillConfig
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_DATA_DIR = "/work/shared/data"
 TRAIN_FILES = ("arena_hard/arena-hard-v0.1_question.jsonl", "arena_hard/arena-hard-v2.0_question.jsonl",
@@ -161,9 +164,16 @@ def target_to_draft_index(vocab_ids: torch.Tensor | None, vocab_size: int) -> to
 
 
 def _cached(path: str, make, skip: bool = False):
-    """``torch.load(path)`` if it exists, else ``make()`` saved there; ``skip``: None instead of making."""
+    """``torch.load(path)`` if it exists, else ``make()`` saved there; ``skip``: None instead of making.
+
+    Raises RuntimeError naming ``path`` when the file exists but cannot be read.
+    """
     if os.path.exists(path):
-        return torch.load(path, weights_only=False)
+        try:
+            return torch.load(path, weights_only=False)
+        except Exception as exc:  # torch raises RuntimeError / EOFError / ValueError / pickle errors
+            raise RuntimeError(f"cache file {path} is unreadable ({type(exc).__name__}: {exc}); "
+                               "delete it to rebuild it") from exc
     if skip:
         return None
     value = make()
@@ -193,6 +203,12 @@ def _eos_ids(tokenizer, target) -> tuple[int, ...]:
     return tuple(dict.fromkeys(t for t in [tokenizer.eos_token_id, *gen_eos] if t is not None))
 
 
+def data_key(pairs) -> str:
+    """``<sequences>x<tokens>`` of ``pairs``: names the caches that belong to one training set
+    (teacher logits, checkpoints), so a run whose data grew does not reuse stale ones."""
+    return f"{len(pairs)}x{sum(len(p) + len(r) for p, r in pairs)}"
+
+
 def eval_turns(data_dir: str) -> list[str]:
     """Every turn of the evaluation set (Spec-Bench) under ``data_dir`` ([] when absent)."""
     path = os.path.join(data_dir, EVAL_FILE)
@@ -207,6 +223,10 @@ def build_dataset(cfg: DistillConfig, target, tokenizer, device: str, with_teach
     ``with_teacher=False`` skips the teacher top-k (returned as None; EAGLE training recomputes it).
     ``t0``: ``time.perf_counter()`` at the start of the run, for ``cfg.data_budget_s`` (None: now)."""
     t0 = time.perf_counter() if t0 is None else t0
+    if not os.path.isdir(cfg.data_dir):
+        raise FileNotFoundError(f"data_dir: {cfg.data_dir!r} is not a directory")
+    if not os.path.exists(os.path.join(cfg.data_dir, EVAL_FILE)):
+        logger.warning("data_dir %s has no %s: no evaluation-set exclusion", cfg.data_dir, EVAL_FILE)
     prompts = load_prompts(cfg.data_dir)
     random.Random(cfg.seed).shuffle(prompts)
     texts = encode_prompt_texts(tokenizer, prompts, cfg.max_prompt_tokens)[:cfg.max_prompts + cfg.num_heldout]
@@ -244,6 +264,7 @@ def build_dataset(cfg: DistillConfig, target, tokenizer, device: str, with_teach
         task_summary = {**task_summary, **self_summary}
     teacher = None
     if with_teacher:
-        teacher = _cached(os.path.join(work, "teacher.pt"), lambda: teacher_topk(target, pairs, cfg, device))
+        teacher = _cached(os.path.join(work, f"teacher_{data_key(pairs)}.pt"),
+                          lambda: teacher_topk(target, pairs, cfg, device))
     held = _cached(os.path.join(work, "heldout.pt"), lambda: gen(heldout, 0.0))
     return pairs, teacher, held, task_held, task_summary

@@ -97,9 +97,9 @@ def build_self_stage(cfg, model, tokenizer, excluded: task_prompts.EvalNgrams, a
         is_out_of_time = 0 < cfg.data_budget_s < time.perf_counter() - t0
 
         def make(chunk=chunk):
-            texts = sample_queries(model, tokenizer, min(cfg.gen_batch_size, cfg.num_self_prompts - chunk * cfg.gen_batch_size),
-                                   cfg.max_self_prompt_tokens, cfg.self_prompt_temperature, end_ids, pad,
-                                   cfg.seed + SEED_OFFSET + chunk)
+            num = min(cfg.gen_batch_size, cfg.num_self_prompts - chunk * cfg.gen_batch_size)
+            texts = sample_queries(model, tokenizer, num, cfg.max_self_prompt_tokens, cfg.self_prompt_temperature,
+                                   end_ids, pad, cfg.seed + SEED_OFFSET + chunk)
             kept = keep_queries(texts, excluded, seen)
             encoded = encode_prompt_texts(tokenizer, kept, cfg.max_prompt_tokens)
             return {"num_sampled": len(texts), "queries": [q for q, _ in encoded],

@@ -95,3 +95,38 @@ def test_cli_flags_of_the_self_stage():
     assert not distill.parse_args(["--out", "d"]).is_data_only
     with pytest.raises(ValueError, match="self_prompt_temperature"):
         distill.DistillConfig(target="t", out_dir="o", self_prompt_temperature=0.0)
+    with pytest.raises(SystemExit) as exc:  # the CLI names the field in a usage error, no traceback
+        distill.parse_args(["--out", "d", "--num-self-prompts", "-1"])
+    assert exc.value.code == 2
+
+
+def _data_dir(tmp_path):
+    (tmp_path / "data" / "arena_hard").mkdir(parents=True)
+    rows = [{"prompt": f"Explain how a {w} works, in two sentences."} for w in ("pump", "lock", "kite", "bell")]
+    (tmp_path / "data" / "arena_hard" / "arena-hard-v0.1_question.jsonl").write_text(
+        "\n".join(__import__("json").dumps(r) for r in rows))
+    return str(tmp_path / "data")
+
+
+def test_teacher_logits_follow_the_data_when_a_rerun_adds_self_prompts(tmp_path, tiny_llama, tokenizer):
+    model = _target(tiny_llama, tokenizer)
+    base = dict(target="unused", out_dir=str(tmp_path / "o"), work_dir=str(tmp_path / "w"), data_dir=_data_dir(tmp_path),
+                num_heldout=1, max_new_tokens=3, gen_batch_size=4, max_self_prompt_tokens=12, top_k_logits=4)
+    (tmp_path / "w").mkdir()
+    for num_self in (4, 8):  # the second run keeps the cached chunk and samples one more
+        cfg = distill.DistillConfig(**base, num_self_prompts=num_self)
+        pairs, teacher, _, _, _ = distill.build_dataset(cfg, model, tokenizer, "cpu")
+        assert len(teacher) == len(pairs) and [len(v) for v, _ in teacher] == [len(r) for _, r in pairs]
+    assert len(list((tmp_path / "w").glob("teacher_*.pt"))) == 2
+
+
+def test_missing_data_dir_and_unreadable_cache_are_named(tmp_path, tiny_llama, tokenizer):
+    model = _target(tiny_llama, tokenizer)
+    cfg = distill.DistillConfig(target="unused", out_dir=str(tmp_path / "o"), work_dir=str(tmp_path),
+                                data_dir=str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="data_dir"):
+        distill.build_dataset(cfg, model, tokenizer, "cpu")
+    (tmp_path / "self0.pt").write_bytes(b"not a torch file")
+    from specdec.distill_data import _cached
+    with pytest.raises(RuntimeError, match="self0.pt is unreadable"):
+        _cached(str(tmp_path / "self0.pt"), lambda: None)
