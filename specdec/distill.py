@@ -6,6 +6,8 @@ Recipe (issue 4; distillation for speculative decoding after DistillSpec, Zhou e
    in Spec-Bench (the evaluation set) are dropped. A held-out share is kept for evaluation.
    ``--num-task-prompts`` adds synthetic Spec-Bench-like task prompts (``specdec.task_prompts``:
    summarization, RAG, translation, math, QA, multi-turn; data code in ``specdec.distill_data``).
+   ``--num-self-prompts`` adds chat prompts the target writes itself (``specdec.self_prompts``,
+   Magpie); ``--data-only`` stops after the data stage, ``--data-budget-s`` bounds it.
 2. The TARGET generates the responses (one greedy plus ``--num-samples`` sampled per prompt).
 3. One target forward per sequence keeps the top-``k`` next-token logits at response positions.
 4. The draft (``--init-layers`` copied from the target, or ``--init-draft`` weights; embeddings and LM head shared and frozen)
