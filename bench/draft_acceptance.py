@@ -89,15 +89,6 @@ def trajectories(target, prompts: list[list[int]], temperature: float, max_new: 
 
 
 @torch.no_grad()
-def trajectory_betas(target, draft, prompts: list[list[int]], temperature: float, max_new: int, eos: int,
-                     gen: torch.Generator, chunk: int = 4) -> list[torch.Tensor]:
-    """Target trajectories of up to ``max_new`` tokens (batched, left-padded generation) and
-    ``beta_j`` per generated position ``[n_i]`` for each prompt."""
-    pairs = trajectories(target, prompts, temperature, max_new, eos, int(torch.randint(0, 2**31, (1,), generator=gen)))
-    return pair_betas(target, draft, pairs, temperature, chunk)
-
-
-@torch.no_grad()
 def pair_betas(target, draft, pairs: list[tuple[list[int], list[int]]], temperature: float,
                chunk: int = 4) -> list[torch.Tensor]:
     """``beta_j`` per response position ``[n_i]`` of each ``(prompt, response)``, both models teacher-forced."""

@@ -21,9 +21,9 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.draft_acceptance import MULTI_TURN, RESULTS_DIR, SPEC_BENCH, load_prompts, pair_betas, trajectories
+from bench.draft_acceptance import MULTI_TURN, RESULTS_DIR, load_prompts, pair_betas, trajectories
 from specdec.config import ModelConfig
-from specdec.distill_data import DEFAULT_DATA_DIR, encode_prompts
+from specdec.distill_data import DEFAULT_DATA_DIR, EVAL_FILE, encode_prompts
 from specdec.distill_data import load_prompts as training_prompts
 from specdec.draft_format import load_draft, read_meta, resolve_target_dir
 
@@ -46,9 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     train = training_prompts(args.data_dir)
     random.Random(args.seed).shuffle(train)
     sets = {"training_chat": encode_prompts(tokenizer, train, 512)[:args.num_prompts],
-            "spec_bench_multi_turn": load_prompts(tokenizer, os.path.join(args.data_dir, "spec_bench/question.jsonl")
-                                                  if os.path.isdir(args.data_dir) else SPEC_BENCH,
-                                                  args.num_prompts, 768)[MULTI_TURN]}
+            "spec_bench_multi_turn": load_prompts(tokenizer, os.path.join(args.data_dir, EVAL_FILE),
+                                                  args.num_prompts, 768).get(MULTI_TURN, [])}
     for name, ps in sets.items():
         if not ps:
             raise SystemExit(f"no {name} prompts under --data-dir {args.data_dir}")

@@ -177,12 +177,12 @@ class StepLoop:
         """Commit each verified request's tokens; returns (tokens emitted, accepted count per
         request, its own k_i per request) for the requests still running."""
         outputs = {out.request_id: out for out in response.outputs}
-        self.spec_stats.observe_call([(r.request_id, len(drafts[i].token_ids) if drafts else NO_DRAFT,
-                                       outputs[r.request_id].num_accepted) for i, r in enumerate(verify_reqs)
+        row_ks = [len(d.token_ids) for d in drafts] if drafts else [NO_DRAFT] * len(verify_reqs)
+        self.spec_stats.observe_call([(r.request_id, k, outputs[r.request_id].num_accepted)  # before retirements
+                                      for r, k in zip(verify_reqs, row_ks)
                                       if r.status == RequestStatus.RUNNING and r.request_id in outputs])
         num_emitted, accepted, ks = 0, [], []
-        for i, request in enumerate(verify_reqs):
-            k = len(drafts[i].token_ids) if drafts else NO_DRAFT
+        for request, k in zip(verify_reqs, row_ks):
             request.drafts = None
             out = outputs.get(request.request_id)
             if request.status != RequestStatus.RUNNING:

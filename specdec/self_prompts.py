@@ -23,6 +23,7 @@ import time
 import torch
 
 from specdec import task_prompts
+from specdec.distill_data import _eos_ids, encode_prompt_texts
 
 QUERY_MARK = "\x00minedraft-query\x00"
 MIN_QUERY_WORDS = 3
@@ -65,12 +66,17 @@ def keep_queries(texts: list[str], excluded: task_prompts.EvalNgrams, seen: set[
     is updated) and sharing no n-gram with the evaluation set."""
     kept = []
     for text in texts:
-        key = " ".join(text.lower().split())
+        key = _query_key(text)
         if len(key.split()) < MIN_QUERY_WORDS or key in seen or task_prompts.overlaps(text, excluded):
             continue
         seen.add(key)
         kept.append(text)
     return kept
+
+
+def _query_key(text: str) -> str:
+    """Case- and whitespace-insensitive identity of a query (the duplicate check)."""
+    return " ".join(text.lower().split())
 
 
 def build_self_stage(cfg, model, tokenizer, excluded: task_prompts.EvalNgrams, answer, cached,
@@ -87,8 +93,6 @@ def build_self_stage(cfg, model, tokenizer, excluded: task_prompts.EvalNgrams, a
         t0: ``time.perf_counter()`` at the start of the run (for ``data_budget_s``).
     Returns: (pairs with a non-empty response, summary dict).
     """
-    from specdec.distill_data import _eos_ids, encode_prompt_texts
-
     end_ids = _eos_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
     seen: set[str] = set()
@@ -108,7 +112,7 @@ def build_self_stage(cfg, model, tokenizer, excluded: task_prompts.EvalNgrams, a
         value = cached(f"self{chunk}.pt", make, skip=is_out_of_time)
         if value is None:
             break
-        seen.update(" ".join(q.lower().split()) for q in value["queries"])
+        seen.update(map(_query_key, value["queries"]))
         num_sampled += value["num_sampled"]
         pairs += [p for p in value["pairs"] if p[1]]
     summary = {"num_self_prompts_sampled": num_sampled, "num_self_prompts_kept": len(pairs),
