@@ -7,7 +7,11 @@ every rep with new lengths (as in service, where every prompt has a length of it
 - ``one_per_forward``: ``max_prefill_tokens = 0`` (one forward per prompt, before the change);
 - ``batched``: ``max_prefill_tokens = --max-prefill-tokens`` (several prompts per forward);
 - ``one_per_forward_cudnn`` (CUDA only, ``--with-cudnn``): one per forward with cuDNN's SDPA
-  allowed on the dynamic path again, as before ``specdec.slot_attention`` left it out.
+  allowed on the dynamic path again, as before ``specdec.slot_attention`` left it out;
+- ``one_per_forward_graphs`` (CUDA only): one per forward, each prompt of at most
+  ``max_graph_prefill_tokens`` (default 1024) padded to its length bucket and run as a replayed
+  CUDA graph (``StaticStepper.prefill``; graphs precaptured at start-up, as in service). The
+  other variants set ``max_graph_prefill_tokens = 0`` (the dynamic path, as before).
 
 A time is the host wall time of one ``add_requests`` call ending with a device synchronize; the
 slots are released after each rep. Rep 0 includes first-use costs (allocator growth, kernel
@@ -67,14 +71,16 @@ def time_adds(worker: TargetWorker, device: str, lengths: list[list[int]], vocab
     return times
 
 
-def run_variant(args, budget: int, allow_cudnn: bool, lengths: list[list[int]]) -> list[float]:
-    """Fresh runner (no graph precapture: prefill never uses graphs) and timed adds."""
+def run_variant(args, budget: int, allow_cudnn: bool, lengths: list[list[int]],
+                is_graph: bool = False) -> list[float]:
+    """Fresh runner and timed adds: the dynamic prefill path (no graph precapture), or with
+    ``is_graph`` the default one-prompt graph prefill (graphs precaptured)."""
     default_backends = slot_attention.DYNAMIC_SDPA_BACKENDS
     if allow_cudnn:
         slot_attention.DYNAMIC_SDPA_BACKENDS = [torch.nn.attention.SDPBackend.CUDNN_ATTENTION, *default_backends]
     try:
-        cfg = ModelConfig(model=args.model, dtype=args.dtype, device=args.device, cuda_graph_precapture=False,
-                          max_prefill_tokens=budget)
+        cfg = ModelConfig(model=args.model, dtype=args.dtype, device=args.device, cuda_graph_precapture=is_graph,
+                          max_prefill_tokens=budget, max_graph_prefill_tokens=None if is_graph else 0)
         runner = ModelRunner(cfg, CacheConfig(max_num_seqs=args.num_prompts, max_model_len=args.max_len + 8))
         return time_adds(TargetWorker(runner, seed=0), args.device, lengths, runner.vocab_size, args.seed)
     finally:
@@ -88,7 +94,7 @@ def profile_adds(args, num_calls: int) -> str:
     import pstats
 
     cfg = ModelConfig(model=args.model, dtype=args.dtype, device=args.device, cuda_graph_precapture=False,
-                      max_prefill_tokens=0)
+                      max_prefill_tokens=0, max_graph_prefill_tokens=0)
     runner = ModelRunner(cfg, CacheConfig(max_num_seqs=2, max_model_len=args.max_len + 8))
     worker, rng = TargetWorker(runner, seed=0), random.Random(args.seed)
     lengths = [[rng.randint(args.min_len, args.max_len)] for _ in range(num_calls + 2)]
@@ -115,19 +121,45 @@ def profile_adds(args, num_calls: int) -> str:
 
 def compare_causal_with_mask(args, length: int = 300) -> dict:
     """Max |logit difference| of one whole-prompt prefill through the batched layout's causal
-    shortcut (``CAUSAL_MASK``) and through its explicit mask, on ``args.device``/``args.dtype``."""
-    cfg = ModelConfig(model=args.model, dtype=args.dtype, device=args.device, cuda_graph_precapture=False)
+    shortcut (``CAUSAL_MASK``) against its explicit mask and, on CUDA, against the one-prompt
+    graph prefill (``StaticStepper.prefill``), on ``args.device``/``args.dtype``."""
+    is_cuda = torch.device(args.device).type == "cuda"
+    cfg = ModelConfig(model=args.model, dtype=args.dtype, device=args.device, cuda_graph_precapture=False,
+                      max_graph_prefill_tokens=length + 8 if is_cuda else 0)
     runner = ModelRunner(cfg, CacheConfig(max_num_seqs=1, max_model_len=length + 8))
     runner.cache.is_rowwise = False
     tokens = random.Random(args.seed).choices(range(100, runner.vocab_size), k=length)
+    stepper, buckets = runner.static_stepper, ()
+    if stepper is not None:
+        buckets, stepper.prefill_buckets = stepper.prefill_buckets, ()   # dynamic path first
     logits = []
     for is_shortcut in (True, False):  # False: the explicit-mask path, as for a padded batch
         runner.cache.is_causal_shortcut = is_shortcut
-        slot = runner.allocate_slot()
-        logits.append(runner.prefill([slot], [tokens], torch.float32).float())
-        runner.free_slot(slot)
-    return {"length": length, "max_abs_logit_diff": float((logits[0] - logits[1]).abs().max()),
-            "is_argmax_equal": bool(torch.equal(logits[0].argmax(-1), logits[1].argmax(-1)))}
+        logits.append(_prefill_once(runner, tokens))
+    result = {"length": length, "max_abs_logit_diff": _max_diff(logits[0], logits[1]),
+              "is_argmax_equal": _is_argmax_equal(logits[0], logits[1])}
+    if buckets:
+        stepper.prefill_buckets = buckets
+        graph = _prefill_once(runner, tokens)
+        assert stepper.used_prefill_shapes, "the graph prefill did not run"
+        result["graph_vs_causal"] = {"max_abs_logit_diff": _max_diff(graph, logits[0]),
+                                     "is_argmax_equal": _is_argmax_equal(graph, logits[0])}
+    return result
+
+
+def _prefill_once(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
+    slot = runner.allocate_slot()
+    logits = runner.prefill([slot], [tokens], torch.float32).float()
+    runner.free_slot(slot)
+    return logits
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+def _is_argmax_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a.argmax(-1), b.argmax(-1)))
 
 
 def to_markdown(result: dict) -> str:
@@ -167,9 +199,11 @@ def main(argv: list[str] | None = None) -> dict:
     lengths = [[rng.randint(args.min_len, args.max_len) for _ in range(args.num_prompts)] for _ in range(args.num_reps)]
     variants = {"one_per_forward": run_variant(args, 0, False, lengths),
                 "batched": run_variant(args, args.max_prefill_tokens, False, lengths)}
-    if args.with_cudnn and torch.device(args.device).type == "cuda":
-        variants["one_per_forward_cudnn"] = run_variant(args, 0, True, lengths)
     is_cuda = torch.device(args.device).type == "cuda"
+    if args.with_cudnn and is_cuda:
+        variants["one_per_forward_cudnn"] = run_variant(args, 0, True, lengths)
+    if is_cuda:
+        variants["one_per_forward_graphs"] = run_variant(args, 0, False, lengths, is_graph=True)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "device_name": torch.cuda.get_device_name(args.device) if is_cuda else platform.processor() or "cpu",
               "command": "python bench/prefill.py " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -79,7 +79,8 @@ def load_worker(args: argparse.Namespace):
 
     model_cfg = ModelConfig(model=args.draft, gguf_file=args.draft_gguf_file, dtype=args.dtype,
                             device=args.device, num_threads=args.num_threads,
-                            max_prefill_tokens=args.max_prefill_tokens)
+                            max_prefill_tokens=args.max_prefill_tokens,
+                            max_graph_prefill_tokens=args.max_graph_prefill_tokens)
     cache_cfg = CacheConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
     draft_dir = resolve_model_dir(model_cfg)
     check_draft_memory(draft_dir, args)

@@ -152,6 +152,9 @@ def add_common_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--max-prefill-tokens", type=int, default=None,
                         help="prefill prompts added together in one forward up to this many padded tokens "
                              "(0: one prompt per forward; default: 8192 on CUDA, 0 on CPU)")
+    parser.add_argument("--max-graph-prefill-tokens", type=int, default=None,
+                        help="one-prompt prefills up to this many tokens replay a CUDA graph per power-of-two "
+                             "length bucket (0: off; default: 1024 while CUDA graphs are on, else 0)")
     parser.add_argument("--host", default=DEFAULT_HOST, help="gRPC bind address")
     parser.add_argument("--port", type=int, default=default_port, help="gRPC port (0 = any)")
     parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)

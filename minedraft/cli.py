@@ -65,6 +65,9 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=None,
                    help="engines prefill prompts admitted together in one forward up to this many padded "
                         "tokens (0: one per forward; default 8192 on cuda, 0 on cpu)")
+    p.add_argument("--max-graph-prefill-tokens", type=int, default=None,
+                   help="engines replay a CUDA graph per power-of-two length bucket for one-prompt prefills up "
+                        "to this many tokens (0: off; default 1024 on cuda with graphs, else 0)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="coordinator admits at most this many prompt tokens between two steps, so running "
                         "requests keep decoding and first tokens stream sooner (0: no limit; a longer prompt "
@@ -85,6 +88,7 @@ def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
                        runs_dir=args.runs_dir, startup_timeout_s=args.startup_timeout,
                        metrics_port=args.metrics_port, step_log=args.step_log, k_policy=args.k_policy,
                        balancer=args.balancer, max_prefill_tokens=args.max_prefill_tokens,
+                       max_graph_prefill_tokens=args.max_graph_prefill_tokens,
                        max_num_batched_tokens=args.max_num_batched_tokens)
 
 

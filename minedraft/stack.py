@@ -72,6 +72,9 @@ class StackConfig:
         max_prefill_tokens: the engines' ``--max-prefill-tokens`` (prompts admitted together are
             prefilled in one forward up to this many padded tokens; 0 = one per forward). None:
             the engines' default (8192 on CUDA, 0 on CPU; ``specdec.config.ModelConfig``).
+        max_graph_prefill_tokens: the engines' ``--max-graph-prefill-tokens`` (one-prompt
+            prefills up to this length replay a CUDA graph per length bucket; 0 = off). None: the
+            engines' default (1024 while CUDA graphs are on, else 0).
         max_num_batched_tokens: the coordinator's ``--max-num-batched-tokens`` (prompt tokens
             admitted between two steps; 0 = no limit). None: vLLM's defaults, 4096 on CPU and
             8192 on CUDA (``DEFAULT_BATCHED_TOKENS``).
@@ -107,6 +110,7 @@ class StackConfig:
     k_policy: str = "fixed"
     balancer: str = "paper"
     max_prefill_tokens: int | None = None
+    max_graph_prefill_tokens: int | None = None
     max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -126,6 +130,8 @@ class StackConfig:
             "http_port": (0 <= self.http_port <= 65535, "must be in [0, 65535] (0 = off)"),
             "max_prefill_tokens": (self.max_prefill_tokens is None or self.max_prefill_tokens >= 0,
                                    "must be >= 0 (0 = one prompt per forward)"),
+            "max_graph_prefill_tokens": (self.max_graph_prefill_tokens is None or self.max_graph_prefill_tokens >= 0,
+                                         "must be >= 0 (0 = off)"),
             "max_num_batched_tokens": (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 0,
                                        "must be >= 0 (0 = no limit)"),
         }
@@ -221,7 +227,9 @@ def _engine_args(cfg: StackConfig, port: int, num_threads: int) -> list[str]:
             "--max-model-len", str(cfg.max_model_len), "--num-threads", str(num_threads),
             "--host", cfg.host, "--port", str(port), "--data-plane", cfg.data_plane,
             "--dist-port", str(cfg.dist_port), "--ipc-name", f"stack-{cfg.dist_port}",
-            *(["--max-prefill-tokens", str(cfg.max_prefill_tokens)] if cfg.max_prefill_tokens is not None else [])]
+            *(["--max-prefill-tokens", str(cfg.max_prefill_tokens)] if cfg.max_prefill_tokens is not None else []),
+            *(["--max-graph-prefill-tokens", str(cfg.max_graph_prefill_tokens)]
+              if cfg.max_graph_prefill_tokens is not None else [])]
 
 
 def verifier_spec(cfg: StackConfig, model_dir: str) -> ServiceSpec:

@@ -15,6 +15,7 @@ SUPPORTED_DTYPES: dict[str, torch.dtype] = {
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ONE_PROMPT_PER_PREFILL = 0          # max_prefill_tokens: every prompt in its own forward
 CUDA_MAX_PREFILL_TOKENS = 8192      # max_prefill_tokens resolved on CUDA (None)
+CUDA_GRAPH_PREFILL_TOKENS = 1024    # max_graph_prefill_tokens resolved with CUDA graphs on (None)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,14 @@ class ModelConfig:
             tokens is launch-bound (an H200 prefilled one ~300-token SmolLM2-135M prompt in
             26-31 ms, about what a batch of them costs), 0 elsewhere (on CPU a prefill is
             compute-bound and padding would be wasted work).
+        max_graph_prefill_tokens: a forward of ONE prompt (an admission of one request) of more
+            than ``max_static_tokens`` and at most this many tokens runs the static path too,
+            the prompt padded to a power-of-two length bucket (16, 32, ..., this value), so
+            with graphs on it is one replayed CUDA graph per bucket instead of ~1200 kernel
+            launches; only the last token's logits are computed. Capped at ``max_model_len``.
+            None: ``CUDA_GRAPH_PREFILL_TOKENS`` while the runner's CUDA graphs are on, else 0
+            (off: on a CPU, or eager in a tensor-parallel group, padding is wasted work). A
+            value > 0 needs the static path (``static_shapes``).
 
     Raises:
         ValueError: naming the invalid field.
@@ -66,6 +75,7 @@ class ModelConfig:
     compile_layers: bool = False
     cuda_graph_precapture: bool = True
     max_prefill_tokens: int | None = None
+    max_graph_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -95,6 +105,14 @@ class ModelConfig:
             not isinstance(self.max_prefill_tokens, int) or self.max_prefill_tokens < 0
         ):
             raise ValueError(f"max_prefill_tokens must be an int >= 0 or None, got {self.max_prefill_tokens!r}")
+        self._check_graph_prefill()
+
+    def _check_graph_prefill(self) -> None:
+        value = self.max_graph_prefill_tokens
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"max_graph_prefill_tokens must be an int >= 0 or None, got {value!r}")
+        if value and not self.use_static_shapes:
+            raise ValueError("max_graph_prefill_tokens > 0 needs static_shapes (the static path)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -11,7 +11,7 @@ SLOT_ATTENTION_NAME = "minedraft_slot"
 SLOT_METADATA_KWARG = "slot_metadata"
 NOT_CONSECUTIVE = -1  # SlotAttentionMetadata.first_slot when the batch's slots need a gather
 # Names of the non-persistent buffers through which the static path gives each attention module
-# its own layer's cache tensors (``specdec.cuda_graphs.attach_cache_buffers``): no Python layer
+# its own layer's cache tensors (``specdec.static_forward.attach_cache_buffers``): no Python layer
 # index inside a compiled decoder layer, so one compiled graph serves every layer.
 STATIC_K_BUFFER = "minedraft_k_cache"
 STATIC_V_BUFFER = "minedraft_v_cache"

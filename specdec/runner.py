@@ -11,7 +11,7 @@ import inspect
 
 import torch
 
-from specdec.config import CacheConfig, ModelConfig
+from specdec.config import CUDA_GRAPH_PREFILL_TOKENS, CacheConfig, ModelConfig
 from specdec.compile import compile_modules
 from specdec.cuda_graphs import StaticStepper
 from specdec.errors import CapacityError
@@ -74,10 +74,12 @@ class ModelRunner:
         )
         self.static_stepper: StaticStepper | None = None
         if model_cfg.use_static_shapes:
+            use_graphs = _use_graphs(model_cfg)
             self.static_stepper = StaticStepper(
                 model, self.cache, cache_cfg.max_num_seqs, cache_cfg.max_model_len,
-                model_cfg.max_static_tokens, use_graphs=_use_graphs(model_cfg),
-                compile_layers=model_cfg.compile_layers)
+                model_cfg.max_static_tokens, use_graphs=use_graphs,
+                compile_layers=model_cfg.compile_layers,
+                max_prefill_tokens=_graph_prefill_tokens(model_cfg, use_graphs))
             if self.static_stepper.use_graphs and model_cfg.cuda_graph_precapture:
                 self.static_stepper.precapture()
         self._has_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -170,8 +172,16 @@ class ModelRunner:
         last position (``logits_to_keep``; the distinct last positions of ragged prompts), not on
         every prompt token: for a 500-token prompt of SmolLM2-135M that is 500x fewer rows of
         its [49152, 576] head (issue 8, CPU profile: most of a prefill's time was that head).
+        One prompt of a length the static stepper's prefill buckets take runs as one padded
+        static forward instead (``StaticStepper.prefill``: a CUDA graph replay on a GPU).
         """
         self._check_batch(slots, prompts)
+        stepper = self.static_stepper
+        if stepper is not None and stepper.accepts_prefill(len(slots), len(prompts[0])):
+            start = int(self.cache.seq_lens[slots[0]])
+            logits = stepper.prefill(slots[0], list(prompts[0]), start, PAD_TOKEN_ID)   # [1, V]
+            self.cache.commit(slots, [len(prompts[0])])
+            return logits.to(logits_dtype)
         last = [len(p) - 1 for p in prompts]
         kept = sorted(set(last))
         logits = self._run(slots, prompts, logits_dtype, keep_positions=kept)   # [b, n_kept|q, V]
@@ -244,6 +254,14 @@ def _use_graphs(model_cfg: ModelConfig) -> bool:
     if model_cfg.cuda_graphs is None and in_tp_group:
         return False
     return model_cfg.use_cuda_graphs
+
+
+def _graph_prefill_tokens(model_cfg: ModelConfig, use_graphs: bool) -> int:
+    """``max_graph_prefill_tokens`` resolved: None means ``CUDA_GRAPH_PREFILL_TOKENS`` while this
+    runner's graphs are on (``_use_graphs``), else 0."""
+    if model_cfg.max_graph_prefill_tokens is not None:
+        return model_cfg.max_graph_prefill_tokens
+    return CUDA_GRAPH_PREFILL_TOKENS if use_graphs else 0
 
 
 def _eos_token_ids(model) -> tuple[int, ...]:

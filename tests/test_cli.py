@@ -20,7 +20,8 @@ from minedraft.v1 import common_pb2
 
 @pytest.mark.parametrize("field,value", [("mode", "fast"), ("num_speculative_tokens", 0), ("max_num_seqs", 0),
                                          ("tensor_parallel_size", 0), ("data_plane", "nccl"), ("gateway_port", 0),
-                                         ("max_prefill_tokens", -1), ("max_num_batched_tokens", -1)])
+                                         ("max_prefill_tokens", -1), ("max_num_batched_tokens", -1),
+                                         ("max_graph_prefill_tokens", -1)])
 def test_stack_config_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
         StackConfig(**{field: value})
@@ -39,10 +40,13 @@ def test_service_specs_psd_pins_engines_and_shares_settings():
         assert argv[argv.index("--num-threads") + 1] == "1"
         assert argv[argv.index("--max-model-len") + 1] == "512"
         assert "--max-prefill-tokens" not in argv   # engines' own device default
+        assert "--max-graph-prefill-tokens" not in argv
     coord = specs["coordinator"].argv
     assert coord[coord.index("--k") + 1] == "3" and coord[coord.index("--mode") + 1] == "psd"
-    for spec in build_service_specs(StackConfig(max_prefill_tokens=0, draft="/d"), "/target")[:2]:
+    cfg = StackConfig(max_prefill_tokens=0, max_graph_prefill_tokens=256, draft="/d")
+    for spec in build_service_specs(cfg, "/target")[:2]:
         assert spec.argv[spec.argv.index("--max-prefill-tokens") + 1] == "0"
+        assert spec.argv[spec.argv.index("--max-graph-prefill-tokens") + 1] == "256"
     assert coord[coord.index("--max-num-batched-tokens") + 1] == "4096"   # vLLM's CPU default
     coord = build_service_specs(StackConfig(max_num_batched_tokens=0, draft="/d"), "/target")[2].argv
     assert coord[coord.index("--max-num-batched-tokens") + 1] == "0"

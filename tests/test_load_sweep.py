@@ -155,3 +155,15 @@ def test_front_passes_the_configuration_budget_to_its_coordinator(tmp_path):
     budgets = [coordinator_args(coordinator_spec(Front(cfg, sweep, ("/t", "d"), str(tmp_path), 1.0).cfg).argv[3:])
                .max_num_batched_tokens for sweep in args.configs]
     assert budgets == [8, 4096]   # the configuration's, else the stack's CPU default
+
+
+def test_engines_get_the_sweeps_graph_prefill_setting(tmp_path):
+    from bench.load_sweep import engine_config
+    from minedraft.stack import verifier_spec
+    from verifier_svc.__main__ import parse_args as verifier_args
+
+    base = ["--out-dir", str(tmp_path), "--logs-dir", str(tmp_path), "--device", "cpu", "--configs", "ar-m2"]
+    for extra, expected in (([], None), (["--max-graph-prefill-tokens", "0"], 0)):
+        args = parse_args(base + extra)
+        argv = verifier_spec(engine_config(args, args.configs), "/t").argv
+        assert verifier_args(argv[3:]).max_graph_prefill_tokens == expected

@@ -57,7 +57,8 @@ def load_engine(args: argparse.Namespace, ctx: TPContext):
     device = init_distributed(ctx, args.device)
     model_cfg = ModelConfig(model=args.model, gguf_file=args.gguf_file, dtype=args.dtype,
                             device=device, num_threads=args.num_threads,
-                            max_prefill_tokens=args.max_prefill_tokens)
+                            max_prefill_tokens=args.max_prefill_tokens,
+                            max_graph_prefill_tokens=args.max_graph_prefill_tokens)
     cache_cfg = CacheConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
     model = load_tp_model(model_cfg, ctx) if ctx.is_distributed else None
     worker = TargetWorker(ModelRunner(model_cfg, cache_cfg, model=model), seed=args.seed,
