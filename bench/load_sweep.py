@@ -50,6 +50,7 @@ def engine_config(args, configs: tuple[SweepConfig, ...]) -> StackConfig:
                        max_model_len=args.max_model_len, dtype=args.dtype or default_dtype(args.device),
                        device=args.device, verifier_port=verifier_port, drafter_port=drafter_port,
                        dist_port=dist_port, runs_dir=args.logs_dir, startup_timeout_s=args.startup_timeout_s,
+                       max_prefill_tokens=args.max_prefill_tokens,
                        max_graph_prefill_tokens=args.max_graph_prefill_tokens, **gpu_kwargs)
 
 

@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drafter-gpu", type=int, default=1,
                    help="cuda: the drafter's GPU (the verifier runs on GPU 0; 0 shares it on a one-GPU machine)")
     p.add_argument("--dtype", default=None, help="engine dtype (default: the device's, minedraft.placement)")
+    p.add_argument("--max-prefill-tokens", type=int, default=None,
+                   help="the engines' --max-prefill-tokens (padded tokens per batched prefill; 0: one per forward)")
     p.add_argument("--max-graph-prefill-tokens", type=int, default=None,
                    help="the engines' --max-graph-prefill-tokens (0: one-prompt prefills on the dynamic path)")
     p.add_argument("--target", default="smollm2-135m-instruct", help="target alias, dir or .gguf")

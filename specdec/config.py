@@ -46,7 +46,8 @@ class ModelConfig:
         max_prefill_tokens: prompts added together are prefilled in one forward while their
             padded size (number of prompts x longest prompt, tokens) stays within this; a longer
             prompt gets a forward of its own. ``ONE_PROMPT_PER_PREFILL`` (0): one forward per
-            prompt. None: ``CUDA_MAX_PREFILL_TOKENS`` on CUDA, where a prefill of a few hundred
+            prompt. None: 0 while one-prompt graph prefills are on (``max_graph_prefill_tokens``;
+            ``ModelRunner.prefill_token_budget``), else ``CUDA_MAX_PREFILL_TOKENS`` on CUDA, where a prefill of a few hundred
             tokens is launch-bound (an H200 prefilled one ~300-token SmolLM2-135M prompt in
             26-31 ms, about what a batch of them costs), 0 elsewhere (on CPU a prefill is
             compute-bound and padding would be wasted work).

@@ -125,7 +125,7 @@ class Worker:
             for _ in items:
                 slots.append(self.runner.allocate_slot())
             logits: list[torch.Tensor | None] = [None] * len(items)
-            budget = self.runner.model_cfg.prefill_token_budget
+            budget = self.runner.prefill_token_budget
             for group in prefill_groups([len(prompt) for _, prompt, _ in items], budget):
                 rows = self.runner.prefill([slots[i] for i in group], [list(items[i][1]) for i in group])
                 for row, i in enumerate(group):

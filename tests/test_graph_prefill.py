@@ -135,3 +135,48 @@ def test_precapture_covers_prefill_buckets_and_changes_nothing(tiny_llama):
     dynamic.allocate_slot()
     _same_prefill(static, dynamic, [slot], [list(range(3, 50))])
     assert stepper.used_prefill_shapes <= stepper.precaptured_prefill_shapes
+
+
+def _cuda_budget(monkeypatch):
+    """The CUDA default budget (8192) for ModelConfig on this CPU."""
+    monkeypatch.setattr(ModelConfig, "prefill_token_budget", property(lambda self: 8192))
+
+
+def test_graph_prefill_resolves_the_default_budget_to_one_prompt_per_forward(tiny_llama, monkeypatch):
+    _cuda_budget(monkeypatch)
+    model = tiny_llama()
+    assert ModelRunner(PREFILL, CACHE, model=model).prefill_token_budget == 0
+    explicit = ModelConfig(dtype="float64", static_shapes=True, max_graph_prefill_tokens=64,
+                           max_prefill_tokens=512)
+    assert ModelRunner(explicit, CACHE, model=tiny_llama()).prefill_token_budget == 512
+    off = ModelConfig(dtype="float64", static_shapes=True, max_graph_prefill_tokens=0,
+                      max_prefill_tokens=None)
+    assert ModelRunner(off, CACHE, model=tiny_llama()).prefill_token_budget == 8192
+
+
+def test_a_burst_gets_the_same_kv_as_prompts_admitted_alone(tiny_llama, monkeypatch):
+    """Every prompt takes its own graph forward, so a prompt's KV (and first token) is the same
+    whether it was admitted with others or alone."""
+    _cuda_budget(monkeypatch)
+    from specdec.sampling import SamplingParams
+    from specdec.worker import TargetWorker
+
+    prompts = [[3 + (7 * i + j) % 120 for j in range(n)] for i, n in enumerate((20, 45, 12, 33))]
+    greedy = SamplingParams(temperature=0.0)
+    burst = TargetWorker(ModelRunner(PREFILL, CACHE, model=tiny_llama(dtype=torch.float64)), seed=0)
+    alone = TargetWorker(ModelRunner(PREFILL, CACHE, model=tiny_llama(dtype=torch.float64)), seed=0)
+    burst.add_requests([(f"r{i}", p, greedy) for i, p in enumerate(prompts)])
+    for i, prompt in enumerate(prompts):
+        alone.add_requests([(f"r{i}", prompt, greedy)])
+    assert burst.runner.static_stepper.used_prefill_shapes == {(16, 64), (32, 64), (64, 64)}
+    for layer in range(burst.runner.cache.num_layers):
+        for cache_b, cache_a in ((burst.runner.cache.k, alone.runner.cache.k),
+                                 (burst.runner.cache.v, alone.runner.cache.v)):
+            assert torch.equal(cache_b[layer][: len(prompts)], cache_a[layer][: len(prompts)])
+
+
+def test_causal_shortcut_only_when_every_prompt_is_prefilled_alone(tiny_llama):
+    for budget, is_shortcut in ((0, True), (256, False), (None, True)):   # None: 0 on this CPU
+        cfg = ModelConfig(dtype="float64", max_prefill_tokens=budget)
+        runner = ModelRunner(cfg, CACHE, model=tiny_llama())
+        assert runner.cache.is_causal_shortcut is is_shortcut

@@ -157,13 +157,14 @@ def test_front_passes_the_configuration_budget_to_its_coordinator(tmp_path):
     assert budgets == [8, 4096]   # the configuration's, else the stack's CPU default
 
 
-def test_engines_get_the_sweeps_graph_prefill_setting(tmp_path):
+def test_engines_get_the_sweeps_prefill_settings(tmp_path):
     from bench.load_sweep import engine_config
     from minedraft.stack import verifier_spec
     from verifier_svc.__main__ import parse_args as verifier_args
 
     base = ["--out-dir", str(tmp_path), "--logs-dir", str(tmp_path), "--device", "cpu", "--configs", "ar-m2"]
-    for extra, expected in (([], None), (["--max-graph-prefill-tokens", "0"], 0)):
+    for extra, expected in (([], (None, None)), (["--max-graph-prefill-tokens", "0"], (None, 0)),
+                            (["--max-prefill-tokens", "8192"], (8192, None))):
         args = parse_args(base + extra)
-        argv = verifier_spec(engine_config(args, args.configs), "/t").argv
-        assert verifier_args(argv[3:]).max_graph_prefill_tokens == expected
+        engine = verifier_args(verifier_spec(engine_config(args, args.configs), "/t").argv[3:])
+        assert (engine.max_prefill_tokens, engine.max_graph_prefill_tokens) == expected
