@@ -130,8 +130,9 @@ class StackConfig:
             "http_port": (0 <= self.http_port <= 65535, "must be in [0, 65535] (0 = off)"),
             "max_prefill_tokens": (self.max_prefill_tokens is None or self.max_prefill_tokens >= 0,
                                    "must be >= 0 (0 = one prompt per forward)"),
-            "max_graph_prefill_tokens": (self.max_graph_prefill_tokens is None or self.max_graph_prefill_tokens >= 0,
-                                         "must be >= 0 (0 = off)"),
+            "max_graph_prefill_tokens": ((self.max_graph_prefill_tokens or 0) >= 0
+                                         and not (self.max_graph_prefill_tokens and self.max_prefill_tokens),
+                                         "must be >= 0 (0 = off), and not > 0 with max_prefill_tokens > 0"),
             "max_num_batched_tokens": (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 0,
                                        "must be >= 0 (0 = no limit)"),
         }

@@ -56,9 +56,11 @@ class ModelConfig:
             the prompt padded to a power-of-two length bucket (16, 32, ..., this value), so
             with graphs on it is one replayed CUDA graph per bucket instead of ~1200 kernel
             launches; only the last token's logits are computed. Capped at ``max_model_len``.
-            None: ``CUDA_GRAPH_PREFILL_TOKENS`` while the runner's CUDA graphs are on, else 0
-            (off: on a CPU, or eager in a tensor-parallel group, padding is wasted work). A
-            value > 0 needs the static path (``static_shapes``).
+            None: ``CUDA_GRAPH_PREFILL_TOKENS`` while the runner's CUDA graphs are on and
+            ``max_prefill_tokens`` is None or 0, else 0 (off: on a CPU, or eager in a
+            tensor-parallel group, padding is wasted work). A value > 0 needs the static path
+            (``static_shapes``) and excludes ``max_prefill_tokens`` > 0: a prompt's KV would
+            then depend on whether it was admitted alone (graph) or with others (batched).
 
     Raises:
         ValueError: naming the invalid field.
@@ -114,6 +116,9 @@ class ModelConfig:
             raise ValueError(f"max_graph_prefill_tokens must be an int >= 0 or None, got {value!r}")
         if value and not self.use_static_shapes:
             raise ValueError("max_graph_prefill_tokens > 0 needs static_shapes (the static path)")
+        if value and self.max_prefill_tokens:
+            raise ValueError("max_graph_prefill_tokens > 0 and max_prefill_tokens > 0 exclude each other: "
+                             "a prompt prefilled alone (graph) and in a batch would get different KV")
 
     @property
     def torch_dtype(self) -> torch.dtype:

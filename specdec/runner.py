@@ -277,9 +277,11 @@ def _use_graphs(model_cfg: ModelConfig) -> bool:
 
 def _graph_prefill_tokens(model_cfg: ModelConfig, use_graphs: bool) -> int:
     """``max_graph_prefill_tokens`` resolved: None means ``CUDA_GRAPH_PREFILL_TOKENS`` while this
-    runner's graphs are on (``_use_graphs``), else 0."""
+    runner's graphs are on (``_use_graphs``) and no batched prefill budget was asked for, else 0."""
     if model_cfg.max_graph_prefill_tokens is not None:
         return model_cfg.max_graph_prefill_tokens
+    if model_cfg.max_prefill_tokens:
+        return 0
     return CUDA_GRAPH_PREFILL_TOKENS if use_graphs else 0
 
 

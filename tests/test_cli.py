@@ -27,6 +27,12 @@ def test_stack_config_names_the_bad_field(field, value):
         StackConfig(**{field: value})
 
 
+def test_stack_config_refuses_graph_and_batched_prefill_together():
+    with pytest.raises(ValueError, match="max_graph_prefill_tokens"):
+        StackConfig(max_graph_prefill_tokens=512, max_prefill_tokens=8192)
+    StackConfig(max_graph_prefill_tokens=512, max_prefill_tokens=0)
+
+
 def test_service_specs_psd_pins_engines_and_shares_settings():
     cfg = StackConfig(mode="psd", num_speculative_tokens=3, max_num_seqs=4, draft="/d", max_model_len=512)
     specs = {s.name: s for s in build_service_specs(cfg, "/target")}

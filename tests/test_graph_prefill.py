@@ -146,9 +146,11 @@ def test_graph_prefill_resolves_the_default_budget_to_one_prompt_per_forward(tin
     _cuda_budget(monkeypatch)
     model = tiny_llama()
     assert ModelRunner(PREFILL, CACHE, model=model).prefill_token_budget == 0
-    explicit = ModelConfig(dtype="float64", static_shapes=True, max_graph_prefill_tokens=64,
-                           max_prefill_tokens=512)
-    assert ModelRunner(explicit, CACHE, model=tiny_llama()).prefill_token_budget == 512
+    with pytest.raises(ValueError, match="exclude each other"):
+        ModelConfig(dtype="float64", static_shapes=True, max_graph_prefill_tokens=64, max_prefill_tokens=512)
+    batched = ModelConfig(dtype="float64", static_shapes=True, max_prefill_tokens=512)
+    assert _graph_prefill_tokens(batched, use_graphs=True) == 0     # grouped prefills asked for
+    assert ModelRunner(batched, CACHE, model=tiny_llama()).prefill_token_budget == 512
     off = ModelConfig(dtype="float64", static_shapes=True, max_graph_prefill_tokens=0,
                       max_prefill_tokens=None)
     assert ModelRunner(off, CACHE, model=tiny_llama()).prefill_token_budget == 8192
