@@ -21,11 +21,13 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.draft_acceptance import MULTI_TURN, RESULTS_DIR, load_prompts, pair_betas, trajectories
-from specdec.config import ModelConfig
-from specdec.distill_data import DEFAULT_DATA_DIR, EVAL_FILE, encode_prompts
-from specdec.distill_data import load_prompts as training_prompts
-from specdec.draft_format import load_draft, read_meta, resolve_target_dir
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.draft_acceptance import MULTI_TURN, RESULTS_DIR, load_prompts, pair_betas, trajectories  # noqa: E402
+from specdec.config import ModelConfig  # noqa: E402
+from specdec.distill_data import DEFAULT_DATA_DIR, EVAL_FILE, encode_prompts  # noqa: E402
+from specdec.distill_data import load_prompts as training_prompts  # noqa: E402
+from specdec.draft_format import load_draft, read_meta, resolve_target_dir  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
