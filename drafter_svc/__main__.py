@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-from drafter_svc.engine_service import DATA_PLANE_NAMES, add_common_args
+from drafter_svc.engine_service import DATA_PLANE_NAMES, add_common_args, check_common_args
 from drafter_svc.servicer import DrafterServicer
 from minedraft import telemetry
 from minedraft.capacity import GIB, InsufficientMemoryError, check_fits, model_footprint
@@ -37,7 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-buffered-steps", type=int, default=8,
                         help="dist/ipc plane: drafted steps kept for the verifier's fetch")
     add_common_args(parser, DEFAULT_PORT)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_common_args(parser, args)
+    return args
 
 
 def _target_vocab_size(args: argparse.Namespace, draft_dir: str) -> int | None:

@@ -142,6 +142,18 @@ def elapsed_ms(start: float) -> float:
     return (time.perf_counter() - start) * 1000.0
 
 
+def check_common_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse (``parser.error``, exit 2, naming the field) what the engine's ``ModelConfig`` would
+    refuse only after the server started: device, dtype and the prefill settings."""
+    from specdec.config import ModelConfig
+
+    try:
+        ModelConfig(device=args.device, dtype=args.dtype, max_prefill_tokens=args.max_prefill_tokens,
+                    max_graph_prefill_tokens=args.max_graph_prefill_tokens)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def add_common_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     """Flags both engine services take (model dtype/device, capacity, serving, data plane)."""
     parser.add_argument("--dtype", default="float32", help="parameter and KV-cache dtype")

@@ -128,11 +128,13 @@ class StackConfig:
             "stop_timeout_s": (self.stop_timeout_s > 0, "must be > 0"),
             "metrics_port": (0 <= self.metrics_port <= 65535, "must be in [0, 65535] (0 = off)"),
             "http_port": (0 <= self.http_port <= 65535, "must be in [0, 65535] (0 = off)"),
-            "max_prefill_tokens": (self.max_prefill_tokens is None or self.max_prefill_tokens >= 0,
-                                   "must be >= 0 (0 = one prompt per forward)"),
-            "max_graph_prefill_tokens": ((self.max_graph_prefill_tokens or 0) >= 0
-                                         and not (self.max_graph_prefill_tokens and self.max_prefill_tokens),
-                                         "must be >= 0 (0 = off), and not > 0 with max_prefill_tokens > 0"),
+            "max_prefill_tokens": (_is_count_or_none(self.max_prefill_tokens),
+                                   "must be an int >= 0 (0 = one prompt per forward)"),
+            "max_graph_prefill_tokens": (_is_count_or_none(self.max_graph_prefill_tokens)
+                                         and not (self.max_graph_prefill_tokens
+                                                  and (self.max_prefill_tokens or self.device == "cpu")),
+                                         "must be an int >= 0 (0 = off); > 0 needs device cuda and "
+                                         "max_prefill_tokens 0 or unset"),
             "max_num_batched_tokens": (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 0,
                                        "must be >= 0 (0 = no limit)"),
         }
@@ -231,6 +233,11 @@ def _engine_args(cfg: StackConfig, port: int, num_threads: int) -> list[str]:
             *(["--max-prefill-tokens", str(cfg.max_prefill_tokens)] if cfg.max_prefill_tokens is not None else []),
             *(["--max-graph-prefill-tokens", str(cfg.max_graph_prefill_tokens)]
               if cfg.max_graph_prefill_tokens is not None else [])]
+
+
+def _is_count_or_none(value) -> bool:
+    """None, or an int >= 0 (not a bool)."""
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
 
 
 def verifier_spec(cfg: StackConfig, model_dir: str) -> ServiceSpec:

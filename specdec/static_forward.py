@@ -59,8 +59,10 @@ def static_forward(model, cache: SlotKVCache, packed: torch.Tensor, num_tokens: 
     tokens = packed[:, :num_tokens]
     slots, starts, counts = (packed[:, num_tokens + i] for i in range(NUM_META_COLUMNS))
     offsets = torch.arange(num_tokens, device=device)
-    positions = starts[:, None] + offsets[None, :]                           # [B, q]
     is_real = offsets[None, :] < counts[:, None]                             # [B, q]
+    # padding tokens repeat the row's last real position: a model whose RoPE follows the largest
+    # position seen (transformers' "dynamic"/"longrope") must not see the bucket's padding
+    positions = starts[:, None] + torch.minimum(offsets[None, :], counts[:, None] - 1)   # [B, q]
     key_pos = torch.arange(kv_len, device=device)
     mask = (key_pos[None, None, :] <= positions[:, :, None]) & (
         key_pos[None, None, :] < (starts + counts)[:, None, None])           # [B, q, kv]

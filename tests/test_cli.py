@@ -27,10 +27,32 @@ def test_stack_config_names_the_bad_field(field, value):
         StackConfig(**{field: value})
 
 
-def test_stack_config_refuses_graph_and_batched_prefill_together():
+def test_stack_config_refuses_graph_prefills_with_batched_prefill_or_on_cpu():
     with pytest.raises(ValueError, match="max_graph_prefill_tokens"):
-        StackConfig(max_graph_prefill_tokens=512, max_prefill_tokens=8192)
-    StackConfig(max_graph_prefill_tokens=512, max_prefill_tokens=0)
+        StackConfig(max_graph_prefill_tokens=512, max_prefill_tokens=8192, device="cuda")
+    with pytest.raises(ValueError, match="max_graph_prefill_tokens"):
+        StackConfig(max_graph_prefill_tokens=512)                       # cpu: no graphs
+    StackConfig(max_graph_prefill_tokens=512, max_prefill_tokens=0, device="cuda")
+    StackConfig(max_graph_prefill_tokens=0)
+
+
+@pytest.mark.parametrize("field", ["max_prefill_tokens", "max_graph_prefill_tokens"])
+@pytest.mark.parametrize("value", [True, 1.5, "64", -1])
+def test_stack_config_prefill_counts_must_be_ints(field, value):
+    with pytest.raises(ValueError, match=field):
+        StackConfig(**{field: value})
+
+
+@pytest.mark.parametrize("module", ["verifier_svc.__main__", "drafter_svc.__main__"])
+def test_engines_refuse_graph_prefills_on_cpu_before_serving(module, capsys):
+    import importlib
+
+    parse_args = importlib.import_module(module).parse_args
+    base = ["--draft", "/d"] if module.startswith("drafter") else []
+    with pytest.raises(SystemExit) as exc:
+        parse_args(base + ["--max-graph-prefill-tokens", "64"])         # --device cpu (default)
+    assert exc.value.code == 2 and "max_graph_prefill_tokens" in capsys.readouterr().err
+    assert parse_args(base + ["--device", "cuda:0", "--max-graph-prefill-tokens", "64"]).max_graph_prefill_tokens == 64
 
 
 def test_service_specs_psd_pins_engines_and_shares_settings():
@@ -49,7 +71,7 @@ def test_service_specs_psd_pins_engines_and_shares_settings():
         assert "--max-graph-prefill-tokens" not in argv
     coord = specs["coordinator"].argv
     assert coord[coord.index("--k") + 1] == "3" and coord[coord.index("--mode") + 1] == "psd"
-    cfg = StackConfig(max_prefill_tokens=0, max_graph_prefill_tokens=256, draft="/d")
+    cfg = StackConfig(max_prefill_tokens=0, max_graph_prefill_tokens=256, draft="/d", device="cuda")
     for spec in build_service_specs(cfg, "/target")[:2]:
         assert spec.argv[spec.argv.index("--max-prefill-tokens") + 1] == "0"
         assert spec.argv[spec.argv.index("--max-graph-prefill-tokens") + 1] == "256"

@@ -15,7 +15,7 @@ import torch
 from test_cuda_graphs import CACHE, DYNAMIC, TOL, _same_cache, _same_step
 
 from specdec import static_forward as static_forward_module
-from specdec.config import CUDA_GRAPH_PREFILL_TOKENS, ModelConfig
+from specdec.config import CUDA_GRAPH_PREFILL_TOKENS, CacheConfig, ModelConfig
 from specdec.runner import ModelRunner, _graph_prefill_tokens
 from specdec.shape_buckets import prefill_buckets
 
@@ -182,3 +182,26 @@ def test_causal_shortcut_only_when_every_prompt_is_prefilled_alone(tiny_llama):
         cfg = ModelConfig(dtype="float64", max_prefill_tokens=budget)
         runner = ModelRunner(cfg, CACHE, model=tiny_llama())
         assert runner.cache.is_causal_shortcut is is_shortcut
+
+
+def test_padding_positions_do_not_change_a_dynamic_rope(tiny_llama):
+    """transformers' "dynamic" RoPE picks its frequencies from the largest position seen, so the
+    bucket's padding tokens must not carry positions past the prompt (found by a break-it pass)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def model():
+        cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=80,
+                          rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+        torch.manual_seed(0)
+        return LlamaForCausalLM(cfg).double().eval()
+
+    cache = CacheConfig(max_num_seqs=1, max_model_len=160)
+    static = ModelRunner(ModelConfig(dtype="float64", static_shapes=True, max_graph_prefill_tokens=128),
+                         cache, model=model())
+    dynamic = ModelRunner(DYNAMIC, cache, model=model())
+    static.allocate_slot()
+    dynamic.allocate_slot()
+    _same_prefill(static, dynamic, [0], [[3 + 7 * i % 120 for i in range(70)]])   # 70 <= 80, bucket 128
+    assert static.static_stepper.used_prefill_shapes == {(128, 128)}
+    _same_cache(static, dynamic, [0])

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import signal
 
-from drafter_svc.engine_service import DATA_PLANE_NAMES, add_common_args
+from drafter_svc.engine_service import DATA_PLANE_NAMES, add_common_args, check_common_args
 from minedraft import telemetry
 from minedraft.serving import ServerOptions, build_server, serve_until_signal
 from minedraft.v1 import engine_pb2
@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "rejection sampling (changes the output distribution; specdec.fixed_acceptance)")
     add_common_args(parser, DEFAULT_PORT)
     args = parser.parse_args(argv)
+    check_common_args(parser, args)
     if args.bench_fixed_acceptance is not None:
         from minedraft.bench_only import check_acceptance_prob
 
