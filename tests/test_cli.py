@@ -179,3 +179,12 @@ def test_max_tokens_zero_or_negative_is_refused_by_the_cli(command, capsys):
             build_parser().parse_args([*command, "--max-tokens", bad])
         assert info.value.code == 2 and "--max-tokens: must be >= 1" in capsys.readouterr().err
     assert build_parser().parse_args([*command, "--max-tokens", "5"]).max_tokens == 5
+
+
+def test_python_dash_m_minedraft_is_the_cli(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "minedraft", "up", "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.startswith("usage: minedraft up"), done.stderr[-1000:]
