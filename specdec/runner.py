@@ -7,13 +7,12 @@ single-token draft steps); a decode step is a verify step with k = 0 (docs/ARCHI
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from specdec.config import CUDA_GRAPH_PREFILL_TOKENS, ONE_PROMPT_PER_PREFILL, CacheConfig, ModelConfig
 from specdec.compile import compile_modules
 from specdec.cuda_graphs import StaticStepper
+from specdec.static_forward import has_logits_to_keep
 from specdec.errors import CapacityError
 from specdec.kv_cache import SLOT_METADATA_KWARG, SlotKVCache
 from specdec.loader import load_model, use_slot_attention
@@ -86,7 +85,7 @@ class ModelRunner:
         # path) only when every prompt is prefilled alone, so that a prompt's KV never depends on
         # whether it was admitted alone or with others (greedy outputs equal across loads)
         self.cache.is_causal_shortcut = self.prefill_token_budget == ONE_PROMPT_PER_PREFILL
-        self._has_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._has_logits_to_keep = has_logits_to_keep(model)
         self._free_slots: list[int] = list(range(cache_cfg.max_num_seqs))
         self._allocated: set[int] = set()
 

@@ -4,6 +4,7 @@ packed input, so that ``specdec.cuda_graphs.StaticStepper`` can capture it in a 
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -97,5 +98,11 @@ def static_forward(model, cache: SlotKVCache, packed: torch.Tensor, num_tokens: 
 
 
 def has_logits_to_keep(model) -> bool:
-    """True when ``model.forward`` takes transformers' ``logits_to_keep`` argument."""
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+    """True when ``model.forward`` takes transformers' ``logits_to_keep`` argument (looked up
+    once per model class: eager static prefills ask on every forward)."""
+    return _forward_takes_logits_to_keep(type(model))
+
+
+@functools.cache
+def _forward_takes_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
