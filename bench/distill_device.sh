@@ -3,7 +3,7 @@
 # the real SmolLM2 GGUF was staged to /root/stage (BENCHMARKS.md "GPU: the stack"); the work dir
 # /root/distill and the draft in /root/distill_out stay on the warm machine between the calls.
 #   bash bench/distill_device.sh data  BUDGET_S  # chat + task stages, then self-written prompts until BUDGET_S
-#   bash bench/distill_device.sh train BUDGET_S  # teacher top-k + training within BUDGET_S; draft -> $OUT (15 MB parts)
+#   bash bench/distill_device.sh train BUDGET_S  # teacher top-k + training within BUDGET_S; draft -> $OUT (weight shards < 16 MiB)
 #   bash bench/distill_device.sh eval            # Spec-Bench acceptance, committed draft vs new, 64 and 1024 tokens
 # Needs .gpu6/whl (gguf, tqdm wheels), .gpu6/data (copy of ../shared/data) and
 # .gpu6/task_corpus.json.gz (python -m specdec.task_corpus --out ...), carried as .gpu6.
@@ -37,8 +37,8 @@ case "$PHASE" in
     $DISTILL --data-budget-s 1 --time-budget-s "$BUDGET_S" --num-epochs "${NUM_EPOCHS:-8}" 2>&1 \
         | tee "$OUT/train.log" | grep -v "it/s\]$"
     cp /root/distill_out/draft/*.json "$OUT/"
-    split -b 15M -d -a 1 /root/distill_out/draft/model.safetensors "$OUT/model.safetensors.part"
-    sha256sum /root/distill_out/draft/model.safetensors ;;
+    cp /root/distill_out/draft/*.safetensors "$OUT/"   # shards of < 16 MiB (draft_format.MAX_SHARD_BYTES)
+    sha256sum /root/distill_out/draft/*.safetensors ;;
   eval)
     T=$(python3 -m specdec.loader resolve smollm2-135m-instruct | tail -1)
     for n in 64 1024; do

@@ -69,17 +69,15 @@ def export_draft(draft_dir: str, target_dir: str, out_dir: str) -> dict:
         IncompatibleDraftError: the target is not the one the draft was trained on.
     """
     import torch  # noqa: F401  (safetensors' torch API)
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from specdec.draft_format import (DRAFT_VOCAB_KEY, DRAFT_WEIGHTS_FILE, LM_HEAD_KEY, check_fingerprint,
+    from specdec.draft_format import (DRAFT_VOCAB_KEY, LM_HEAD_KEY, check_fingerprint, read_draft_weights,
                                       read_meta, read_target_embeddings)
 
     meta = read_meta(draft_dir)
     embed, head = read_target_embeddings(target_dir)
     check_fingerprint(meta.target_fingerprint, embed)
-    with safe_open(os.path.join(draft_dir, DRAFT_WEIGHTS_FILE), framework="pt") as f:
-        tensors = {k: f.get_tensor(k).contiguous() for k in f.keys() if k != DRAFT_VOCAB_KEY}
+    tensors = {k: v.contiguous() for k, v in read_draft_weights(draft_dir).items() if k != DRAFT_VOCAB_KEY}
     dtype = next(iter(tensors.values())).dtype
     tensors["model.embed_tokens.weight"] = embed.to(dtype).contiguous()
     if head is not None:

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 
 import torch
-from safetensors import safe_open
 
 from specdec import draft_format as fmt
 from specdec import task_corpus, task_prompts
@@ -94,11 +92,10 @@ def warm_start(draft, init_dir: str, target_embed: torch.Tensor, layers: tuple[i
     slots = growth_slots(meta.init_layers, layers, len(draft.model.layers))
     params = dict(draft.named_parameters())
     with torch.no_grad():
-        with safe_open(os.path.join(init_dir, fmt.DRAFT_WEIGHTS_FILE), framework="pt") as f:
-            for key in f.keys():
-                if key.startswith(fmt.OWN_WEIGHT_PREFIXES):
-                    param = params[_slot_key(key, slots)]
-                    param.copy_(f.get_tensor(key).to(param.dtype))
+        for key, tensor in fmt.read_draft_weights(init_dir).items():
+            if key.startswith(fmt.OWN_WEIGHT_PREFIXES):
+                param = params[_slot_key(key, slots)]
+                param.copy_(tensor.to(param.dtype))
         for i, layer in enumerate(draft.model.layers):
             if i not in slots:
                 layer.self_attn.o_proj.weight.zero_()

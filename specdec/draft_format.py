@@ -7,6 +7,9 @@ A draft directory holds
 - ``config.json``: the draft's ``LlamaConfig`` (``num_hidden_layers = num_layers``);
 - ``model.safetensors``: ONLY the draft's own weights (``model.layers.*`` and ``model.norm``),
   plus, for a reduced draft vocabulary, ``draft_vocab_ids`` (int64 ``[N]``, target token ids).
+  Weights over ``MAX_SHARD_BYTES`` are split by whole tensors into ``model-00001-of-0000N.safetensors``
+  shards (Hugging Face's shard names), so no file of a committed draft exceeds 16 MiB; read them
+  with :func:`read_draft_weights`.
 
 Reduced draft vocabulary (FR-Spec, Zhao et al. 2025, arXiv 2502.14856, Sec. 3): the draft's LM
 head covers only the ``N`` target token ids most frequent in the target's own responses; its rows
@@ -22,6 +25,7 @@ target's embeddings do not match the fingerprint recorded at training time.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -38,6 +42,8 @@ from specdec.errors import IncompatibleDraftError
 
 DRAFT_META_FILE = "minedraft_draft.json"
 DRAFT_WEIGHTS_FILE = "model.safetensors"
+DRAFT_SHARD_GLOB = "model-*-of-*.safetensors"
+MAX_SHARD_BYTES = 16 * 1024**2
 FORMAT_VERSION = 1
 OWN_WEIGHT_PREFIXES = ("model.layers.", "model.norm.")
 DRAFT_VOCAB_KEY = "draft_vocab_ids"
@@ -170,6 +176,52 @@ def own_state_dict(draft: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     }
 
 
+def draft_weight_files(draft_dir: str) -> list[str]:
+    """Paths of the draft's weight files: ``DRAFT_WEIGHTS_FILE``, or its shards in order."""
+    single = os.path.join(draft_dir, DRAFT_WEIGHTS_FILE)
+    return [single] if os.path.isfile(single) else sorted(glob.glob(os.path.join(draft_dir, DRAFT_SHARD_GLOB)))
+
+
+def read_draft_weights(draft_dir: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the draft's weight file(s) (own weights and ``DRAFT_VOCAB_KEY``), on CPU.
+
+    Raises:
+        FileNotFoundError: ``draft_dir`` holds neither ``DRAFT_WEIGHTS_FILE`` nor shards of it.
+    """
+    paths = draft_weight_files(draft_dir)
+    if not paths:
+        raise FileNotFoundError(f"draft_dir: no {DRAFT_WEIGHTS_FILE} (or shards of it) in {draft_dir}")
+    weights: dict[str, torch.Tensor] = {}
+    for path in paths:
+        with safe_open(path, framework="pt") as f:
+            weights.update({k: f.get_tensor(k) for k in f.keys()})
+    return weights
+
+
+def write_draft_weights(weights: dict[str, torch.Tensor], out_dir: str,
+                        max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+    """Write ``weights`` as ``DRAFT_WEIGHTS_FILE`` when they fit in ``max_shard_bytes``, else as
+    shards of whole tensors (in key order, each shard within the limit unless one tensor alone
+    exceeds it); weight files of an earlier save in ``out_dir`` are removed. Returns the paths."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, tensor in weights.items():
+        num_bytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + num_bytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor
+        size += num_bytes
+    for stale in draft_weight_files(out_dir):
+        os.remove(stale)
+    names = [DRAFT_WEIGHTS_FILE] if len(shards) == 1 else [
+        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    paths = [os.path.join(out_dir, name) for name in names]
+    for shard, path in zip(shards, paths):
+        save_file(shard, path, metadata={"format": "pt"})
+    return paths
+
+
 def save_draft(draft: LlamaForCausalLM, out_dir: str, meta: DraftMeta, dtype: torch.dtype | None = None) -> None:
     """Write ``out_dir`` (config, own weights in ``dtype`` or the draft's dtype, metadata)."""
     os.makedirs(out_dir, exist_ok=True)
@@ -181,7 +233,7 @@ def save_draft(draft: LlamaForCausalLM, out_dir: str, meta: DraftMeta, dtype: to
         weights[DRAFT_VOCAB_KEY] = ids.detach().to("cpu", torch.int64).contiguous()
     if (meta.draft_vocab_size or None) != (None if ids is None else ids.numel()):
         raise ValueError(f"meta.draft_vocab_size={meta.draft_vocab_size} does not match the draft's head")
-    save_file(weights, os.path.join(out_dir, DRAFT_WEIGHTS_FILE), metadata={"format": "pt"})
+    write_draft_weights(weights, out_dir)
     draft.config.save_pretrained(out_dir)
     with open(os.path.join(out_dir, DRAFT_META_FILE), "w", encoding="utf-8") as f:
         json.dump(asdict(meta), f, indent=2)
@@ -260,8 +312,7 @@ def load_draft(
     with torch.device("meta"):
         draft = LlamaForCausalLM(config)
     draft.to_empty(device=device)
-    with safe_open(os.path.join(draft_dir, DRAFT_WEIGHTS_FILE), framework="pt") as f:
-        own = {k: f.get_tensor(k) for k in f.keys()}
+    own = read_draft_weights(draft_dir)
     vocab_ids = own.pop(DRAFT_VOCAB_KEY, None)
     own = {k: v.to(dtype) for k, v in own.items()}
     if (vocab_ids is None) != (meta.draft_vocab_size is None) or (
@@ -283,4 +334,4 @@ def load_draft(
 def _check_missing(missing: list[str]) -> None:
     unexpected_missing = [k for k in missing if k.startswith(OWN_WEIGHT_PREFIXES)]
     if unexpected_missing:
-        raise FileNotFoundError(f"draft weights missing from {DRAFT_WEIGHTS_FILE}: {unexpected_missing[:4]}")
+        raise FileNotFoundError(f"draft weights missing from the weight files: {unexpected_missing[:4]}")

@@ -110,7 +110,7 @@ def build_head(target, vocab_ids: torch.Tensor, cfg: EagleTrainConfig) -> EagleH
     (``init_draft``) the decoder layers and norm of a token-level draft (``specdec.draft_format``)."""
     embed = target.model.embed_tokens.weight
     tied = target.lm_head.weight.data_ptr() == embed.data_ptr()
-    own = load_file(os.path.join(cfg.init_draft, fmt.DRAFT_WEIGHTS_FILE)) if cfg.init_draft else {}
+    own = fmt.read_draft_weights(cfg.init_draft) if cfg.init_draft else {}
     num_layers = len({k.split(".")[2] for k in own if k.startswith("model.layers.")}) or cfg.num_layers
     head = EagleHead(target.config, num_layers, embed, vocab_ids, None if tied else target.lm_head.weight,
                      num_feature_layers=len(cfg.layers), fusion=cfg.fusion)
@@ -218,7 +218,7 @@ def run(data_cfg: DistillConfig, cfg: EagleTrainConfig) -> dict:
             save_pairs(pairs, cfg.pairs_file)
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    vocab_ids = load_file(os.path.join(cfg.vocab_from, fmt.DRAFT_WEIGHTS_FILE))[fmt.DRAFT_VOCAB_KEY].to(device)
+    vocab_ids = fmt.read_draft_weights(cfg.vocab_from)[fmt.DRAFT_VOCAB_KEY].to(device)
     head = build_head(target, vocab_ids, cfg)
     t_data = time.perf_counter() - t0
     summary = train(head, target, pairs, cfg, device, t0)

@@ -177,3 +177,34 @@ def test_meta_and_weights_must_agree_on_the_draft_vocab(tmp_path, target_dir):
         fmt.save_draft(draft, str(tmp_path / "d"), meta)
     with pytest.raises(ValueError, match="draft_vocab_size"):
         fmt.DraftMeta(target="t", num_layers=1, init_layers=(0,), target_fingerprint={}, draft_vocab_size=0)
+
+
+def test_weights_over_the_shard_limit_are_written_and_read_as_shards(tmp_path, draft_dir, target_dir):
+    weights = fmt.read_draft_weights(draft_dir)
+    sizes = [t.numel() * t.element_size() for t in weights.values()]
+    limit = max(sizes) * 2
+    out = tmp_path / "sharded"
+    out.mkdir()
+    (out / fmt.DRAFT_WEIGHTS_FILE).write_bytes(b"stale")              # an earlier unsharded save
+    paths = fmt.write_draft_weights(weights, str(out), max_shard_bytes=limit)
+    assert len(paths) > 2 and not (out / fmt.DRAFT_WEIGHTS_FILE).exists()
+    assert paths == fmt.draft_weight_files(str(out)) and all(
+        os.path.basename(p) == f"model-{i:05d}-of-{len(paths):05d}.safetensors" for i, p in enumerate(paths, 1))
+    for path in paths:
+        with safe_open(path, framework="pt") as f:
+            shard_bytes = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+        assert shard_bytes <= limit
+    read = fmt.read_draft_weights(str(out))
+    assert list(read) == list(weights) and all(torch.equal(read[k], weights[k]) for k in weights)
+    for name in ("config.json", fmt.DRAFT_META_FILE):
+        (out / name).write_bytes((tmp_path / "draft" / name).read_bytes())
+    sharded, whole = fmt.load_draft(str(out), target_dir=target_dir), fmt.load_draft(draft_dir, target_dir=target_dir)
+    ids = torch.tensor([[1, 5, 9, 17]])
+    torch.testing.assert_close(sharded(ids).logits, whole(ids).logits, atol=0, rtol=0)
+    fmt.write_draft_weights(weights, str(out))                          # fits again: one file, shards gone
+    assert fmt.draft_weight_files(str(out)) == [str(out / fmt.DRAFT_WEIGHTS_FILE)]
+
+
+def test_a_draft_dir_without_weights_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="draft_dir"):
+        fmt.read_draft_weights(str(tmp_path))
