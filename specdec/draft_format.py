@@ -25,25 +25,21 @@ target's embeddings do not match the fingerprint recorded at training time.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from dataclasses import asdict, dataclass, field
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from specdec.draft_target import (  # noqa: F401  (re-exported: part of the draft-format API)
     EMBED_KEY_SUFFIX, LM_HEAD_KEY, NUM_PROBE_ROWS, PROBE_RTOL, PROBE_SEED, check_fingerprint, embedding_fingerprint,
     read_target_embeddings)
+from specdec.draft_weights import (  # noqa: F401  (re-exported: part of the draft-format API)
+    DRAFT_SHARD_GLOB, DRAFT_WEIGHTS_FILE, MAX_SHARD_BYTES, draft_weight_files, read_draft_weights, write_draft_weights)
 from specdec.errors import IncompatibleDraftError
 
 DRAFT_META_FILE = "minedraft_draft.json"
-DRAFT_WEIGHTS_FILE = "model.safetensors"
-DRAFT_SHARD_GLOB = "model-*-of-*.safetensors"
-MAX_SHARD_BYTES = 16 * 1024**2
 FORMAT_VERSION = 1
 OWN_WEIGHT_PREFIXES = ("model.layers.", "model.norm.")
 DRAFT_VOCAB_KEY = "draft_vocab_ids"
@@ -174,52 +170,6 @@ def own_state_dict(draft: LlamaForCausalLM) -> dict[str, torch.Tensor]:
         for k, v in draft.state_dict().items()
         if k.startswith(OWN_WEIGHT_PREFIXES)
     }
-
-
-def draft_weight_files(draft_dir: str) -> list[str]:
-    """Paths of the draft's weight files: ``DRAFT_WEIGHTS_FILE``, or its shards in order."""
-    single = os.path.join(draft_dir, DRAFT_WEIGHTS_FILE)
-    return [single] if os.path.isfile(single) else sorted(glob.glob(os.path.join(draft_dir, DRAFT_SHARD_GLOB)))
-
-
-def read_draft_weights(draft_dir: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the draft's weight file(s) (own weights and ``DRAFT_VOCAB_KEY``), on CPU.
-
-    Raises:
-        FileNotFoundError: ``draft_dir`` holds neither ``DRAFT_WEIGHTS_FILE`` nor shards of it.
-    """
-    paths = draft_weight_files(draft_dir)
-    if not paths:
-        raise FileNotFoundError(f"draft_dir: no {DRAFT_WEIGHTS_FILE} (or shards of it) in {draft_dir}")
-    weights: dict[str, torch.Tensor] = {}
-    for path in paths:
-        with safe_open(path, framework="pt") as f:
-            weights.update({k: f.get_tensor(k) for k in f.keys()})
-    return weights
-
-
-def write_draft_weights(weights: dict[str, torch.Tensor], out_dir: str,
-                        max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
-    """Write ``weights`` as ``DRAFT_WEIGHTS_FILE`` when they fit in ``max_shard_bytes``, else as
-    shards of whole tensors (in key order, each shard within the limit unless one tensor alone
-    exceeds it); weight files of an earlier save in ``out_dir`` are removed. Returns the paths."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, tensor in weights.items():
-        num_bytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + num_bytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = tensor
-        size += num_bytes
-    for stale in draft_weight_files(out_dir):
-        os.remove(stale)
-    names = [DRAFT_WEIGHTS_FILE] if len(shards) == 1 else [
-        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    paths = [os.path.join(out_dir, name) for name in names]
-    for shard, path in zip(shards, paths):
-        save_file(shard, path, metadata={"format": "pt"})
-    return paths
 
 
 def save_draft(draft: LlamaForCausalLM, out_dir: str, meta: DraftMeta, dtype: torch.dtype | None = None) -> None:
