@@ -43,7 +43,8 @@ AR_K = 1  # StackConfig needs k >= 1; an ar coordinator never drafts
 def engine_config(args, configs: tuple[SweepConfig, ...]) -> StackConfig:
     """Engines with 2 * ceil(max running / 2) KV slots and the largest k (fresh loopback ports)."""
     max_running = max(c.max_num_running for c in configs)
-    gpu_kwargs = dict(verifier_gpus=(0,), drafter_gpu=args.drafter_gpu) if args.device == "cuda" else {}
+    gpu_kwargs = (dict(verifier_gpus=(0,), drafter_gpu=args.drafter_gpu, cuda_mps=args.cuda_mps)
+                  if args.device == "cuda" else {})
     verifier_port, drafter_port, dist_port = free_loopback_ports(3)
     return StackConfig(mode="psd", num_speculative_tokens=max(max(c.k for c in configs), AR_K),
                        max_num_seqs=(max_running + 1) // 2, target=args.target, draft=args.draft,

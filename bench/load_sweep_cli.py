@@ -79,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--drafter-gpu", type=int, default=1,
                    help="cuda: the drafter's GPU (the verifier runs on GPU 0; 0 shares it on a one-GPU machine)")
+    p.add_argument("--cuda-mps", action="store_true",
+                   help="cuda: the engines run under a private CUDA MPS daemon (minedraft up --cuda-mps)")
     p.add_argument("--dtype", default=None, help="engine dtype (default: the device's, minedraft.placement)")
     p.add_argument("--max-prefill-tokens", type=int, default=None,
                    help="the engines' --max-prefill-tokens (padded tokens per batched prefill; 0: one per forward)")
@@ -125,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(exc))
     if not args.configs or not args.concurrencies or min(args.concurrencies) < 1:
         p.error("--configs and --concurrencies (each >= 1) must not be empty")
+    if args.cuda_mps and args.device != "cuda":
+        p.error("--cuda-mps: only with --device cuda")
     if args.drafter_gpu < 0:
         p.error(f"--drafter-gpu: must be >= 0, got {args.drafter_gpu}")
     if args.rounds < 1:

@@ -6,7 +6,8 @@
 #   2. bench.load_sweep at the GPU default dtype (bfloat16): every configuration of its grid under
 #      closed-loop concurrency 1..64 and the bursty trace, within what is left of the call.
 # Usage: bash bench/load_sweep_device.sh [TOTAL_S]   (results under $OUT; default TOTAL_S 570)
-# Env: SKIP_GPU_STACK=1 (sweep only), SWEEP_CONFIGS (grid), SWEEP_EXTRA (more bench.load_sweep flags).
+# Env: SKIP_GPU_STACK=1 (sweep only), SWEEP_CONFIGS (grid), SWEEP_EXTRA (more bench.load_sweep flags),
+#      CUDA_MPS=1 (the sweep's engines run under a private CUDA MPS daemon: --cuda-mps).
 set -u
 TOTAL_S=${1:-570}
 START=$(date +%s)
@@ -31,6 +32,6 @@ python3 -m bench.load_sweep --out-dir "$OUT/sweep" --logs-dir /tmp/logs/sweep --
     --target smollm2-135m-instruct --prompts .gpu6/prompts.jsonl --max-tokens 48 --min-requests 4 \
     --num-bursts 3 --burst-size 12,24 --gap-s 1,2 --num-trickle 2 \
     --configs "${SWEEP_CONFIGS:-ar-m16,ar-m32,sd-k4-m16,sd-k2-m16,psd-k4-m16,psd-k2-m16,psd-k4-m16-adaptive,auto-k4-m16-adaptive-feedback,ar-m4,sd-k2-m4,sd-k4-m4,psd-k2-m4,psd-k4-m4}" \
-    --time-budget-s "$(( $(left) - 30 ))" --min-point-s 10 ${SWEEP_EXTRA:-}
+    --time-budget-s "$(( $(left) - 30 ))" --min-point-s 10 ${CUDA_MPS:+--cuda-mps} ${SWEEP_EXTRA:-}
 echo "load_sweep done, $(left) s left"
 tar czf "$OUT/logs.tgz" -C /tmp/logs . 2>/dev/null

@@ -47,6 +47,9 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier-gpus", default="", help="cuda: GPU index per verifier TP rank, e.g. 0 or 0,1 "
                                                         "(default 0..tp-1)")
     p.add_argument("--drafter-gpu", type=int, default=NO_GPU, help="cuda: the drafter's GPU (default: tp)")
+    p.add_argument("--cuda-mps", action="store_true",
+                   help="cuda: run the engines under a private CUDA MPS daemon, so a drafter sharing the "
+                        "verifier's GPU drafts while it verifies (needs nvidia-cuda-mps-control)")
     p.add_argument("--bench-fixed-acceptance", type=float, default=None, metavar="P",
                    help="BENCHMARK-ONLY: the verifier accepts each draft token with probability P instead of "
                         "rejection sampling (changes the output distribution; for random:<preset> models)")
@@ -82,7 +85,7 @@ def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
                        draft=args.draft, max_model_len=args.max_model_len,
                        dtype=args.dtype or default_dtype(args.device), device=args.device,
                        verifier_gpus=parse_gpu_list(args.verifier_gpus), drafter_gpu=args.drafter_gpu,
-                       bench_fixed_acceptance=args.bench_fixed_acceptance,
+                       cuda_mps=args.cuda_mps, bench_fixed_acceptance=args.bench_fixed_acceptance,
                        is_pinned=not args.no_pin, host=args.host, gateway_port=args.port, http_port=args.http_port,
                        coordinator_port=args.port + 1, drafter_port=args.port + 2, verifier_port=args.port + 3,
                        runs_dir=args.runs_dir, startup_timeout_s=args.startup_timeout,

@@ -29,7 +29,10 @@ from grpc_health.v1 import health_pb2
 
 from minedraft.child_exec import NO_CPUS
 from minedraft.probes import NUM_LOG_TAIL_LINES, health_status, log_tail  # noqa: F401  (part of the launcher API)
+from minedraft.banner import banner_lines  # noqa: F401  (part of the launcher API)
 from minedraft.capacity import check_memory
+from minedraft.cuda_mps import CudaMpsDaemon
+from minedraft.placement import CUDA_ENV
 from minedraft.stack import ServiceSpec, StackConfig, build_service_specs, coordinator_spec
 
 POLL_S = 0.25
@@ -77,6 +80,7 @@ class Stack:
     cfg: StackConfig
     run_dir: str = ""
     services: list[RunningService] = field(default_factory=list)
+    mps: CudaMpsDaemon | None = None  # ``--cuda-mps``: started with the first GPU child, quit by ``stop``
 
     def __enter__(self) -> "Stack":
         return self
@@ -108,7 +112,7 @@ class Stack:
 
     def _spawn(self, spec: ServiceSpec) -> RunningService:
         log_path = os.path.join(self.run_dir, f"{spec.name}.log")
-        env = {**os.environ, **spec.env}
+        env = {**os.environ, **self._mps_env(spec), **spec.env}
         with open(log_path, "ab") as log_file:
             # die with the launcher and own CPU cores: set by a shim, not a preexec_fn (minedraft.child_exec)
             cpus = ",".join(map(str, spec.cpus)) or NO_CPUS
@@ -116,6 +120,13 @@ class Stack:
             process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                        stdin=subprocess.DEVNULL, start_new_session=True)
         return RunningService(spec, process, log_path)
+
+    def _mps_env(self, spec: ServiceSpec) -> dict[str, str]:
+        """``--cuda-mps``: GPU children join the stack's MPS daemon, started on first need (CudaMpsError)."""
+        if not (self.cfg.cuda_mps and spec.env.get(CUDA_ENV)):
+            return {}
+        self.mps = self.mps or CudaMpsDaemon.started(self.run_dir)
+        return self.mps.env
 
     def _wait_serving(self, log) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
@@ -203,6 +214,9 @@ class Stack:
             _signal_group(service.process, signal.SIGKILL)  # stragglers and grandchildren
             service.process.wait()
         self.services.clear()
+        if self.mps is not None:  # after its clients are gone
+            self.mps.stop()
+            self.mps = None
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
@@ -263,21 +277,6 @@ def _restart_or_raise(stack: Stack, restarts: dict[str, int], log) -> None:
         if any(_is_fatal(s, restarts) for s in stack.services):
             raise
         log(f"warning: restart failed, retrying: {str(exc).splitlines()[0]}")
-
-
-def banner_lines(cfg: StackConfig, run_dir: str) -> list[str]:
-    """What ``minedraft up`` prints once every service is SERVING: mode, the gateway's gRPC address,
-    its OpenAI HTTP API, every Prometheus ``/metrics`` address (the gateway's, on the HTTP port, and
-    the coordinator's ``--metrics-port``; the engines serve none), the logs, and how to stop."""
-    http = f"http://{cfg.host}:{cfg.http_port}"
-    lines = [f"MineDraft up: mode {cfg.mode}, gateway gRPC {cfg.host}:{cfg.gateway_port}, logs {run_dir}",
-             f"  OpenAI HTTP API: {http}/v1" if cfg.http_port else "  OpenAI HTTP API: off (--http-port 0)",
-             f"  metrics: gateway {http}/metrics" if cfg.http_port else "  metrics: gateway off (no HTTP port)"]
-    lines[-1] += (f", coordinator http://{cfg.host}:{cfg.metrics_port}/metrics" if cfg.metrics_port
-                  else ", coordinator off (--metrics-port 0)")
-    lines[-1] += "; drafter and verifier serve none"
-    lines.append("  running in the foreground: Ctrl-C stops every service")
-    return lines
 
 
 def run_until_signal(cfg: StackConfig, log=print) -> int:

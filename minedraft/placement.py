@@ -10,7 +10,8 @@ CPU core pinning is done (the cores only launch kernels; pinning is for the 2-co
 DESIGN.md §8), and the engine dtype defaults to bfloat16 (float32 on CPU).
 
 The drafter may share a GPU with the verifier (``--drafter-gpu 0``): that is how one standard
-SD replica per GPU is built (bench/gpu_stack.py, part b).
+SD replica per GPU is built (bench/gpu_stack.py, part b), and how PSD runs on a one-GPU host; there
+``--cuda-mps`` (``minedraft.cuda_mps``) lets both engines' kernels run at the same time.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class Placement:
         verifier_gpus: one GPU index per verifier TP rank (``--verifier-gpus``; host numbering).
         drafter_gpu: the drafter's GPU index (``--drafter-gpu``; may equal a verifier GPU).
         tensor_parallel_size: verifier ranks (``--tp``).
+        cuda_mps: run the engines as clients of a private CUDA MPS daemon (``--cuda-mps``).
 
     Raises:
         ValueError: naming the flag: GPU flags with ``--device cpu``, a GPU count that differs
@@ -66,6 +68,7 @@ class Placement:
     verifier_gpus: tuple[int, ...] = NO_GPUS
     drafter_gpu: int = NO_GPU
     tensor_parallel_size: int = 1
+    cuda_mps: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -75,6 +78,8 @@ class Placement:
                 raise ValueError("--verifier-gpus: only with --device cuda")
             if self.drafter_gpu != NO_GPU:
                 raise ValueError("--drafter-gpu: only with --device cuda")
+            if self.cuda_mps:
+                raise ValueError("--cuda-mps: only with --device cuda")
             return
         gpus = self.verifier_gpus or tuple(range(self.tensor_parallel_size))
         if len(gpus) != self.tensor_parallel_size:
@@ -102,6 +107,12 @@ class Placement:
         if not self.is_cuda:
             return NO_GPU
         return self.drafter_gpu if self.drafter_gpu != NO_GPU else max(self.resolved_verifier_gpus) + 1
+
+    @property
+    def is_shared_gpu(self) -> bool:
+        """Whether the drafter runs on one of the verifier's GPUs (their kernels take turns unless
+        ``cuda_mps``)."""
+        return self.is_cuda and self.resolved_drafter_gpu in self.resolved_verifier_gpus
 
     def verifier_env(self) -> dict[str, str]:
         """Environment of the verifier child (every TP rank inherits it): its GPUs only."""

@@ -62,7 +62,7 @@ class StackConfig:
         step_log: JSONL file the coordinator appends one record per step to ("" = off;
             ``minedraft timeline`` draws it).
         startup_timeout_s, stop_timeout_s: seconds to reach SERVING / to exit after SIGTERM.
-        device, verifier_gpus, drafter_gpu: engine placement (``minedraft.placement.Placement``;
+        device, verifier_gpus, drafter_gpu, cuda_mps: engine placement (``minedraft.placement.Placement``;
             on cuda no core pinning, each engine sees only its GPUs).
         bench_fixed_acceptance: BENCHMARK-ONLY: the verifier accepts each draft token with this
             probability instead of rejection sampling (``specdec.fixed_acceptance``); changes the
@@ -106,6 +106,7 @@ class StackConfig:
     device: str = "cpu"
     verifier_gpus: tuple[int, ...] = NO_GPUS
     drafter_gpu: int = NO_GPU
+    cuda_mps: bool = False
     bench_fixed_acceptance: float | None = None
     k_policy: str = "fixed"
     balancer: str = "paper"
@@ -150,7 +151,8 @@ class StackConfig:
     @property
     def placement(self) -> Placement:
         """Where the engines run (raises ValueError naming a bad device flag)."""
-        return Placement(self.device, tuple(self.verifier_gpus), self.drafter_gpu, self.tensor_parallel_size)
+        return Placement(self.device, tuple(self.verifier_gpus), self.drafter_gpu, self.tensor_parallel_size,
+                         self.cuda_mps)
 
     @property
     def has_drafter(self) -> bool:

@@ -1,0 +1,118 @@
+"""``--cuda-mps``: flags, the private daemon's lifecycle and which children join it.
+
+CI has no NVIDIA driver, so ``nvidia-cuda-mps-control`` is a stand-in shell script on ``PATH`` that
+records how it was called; the real daemon ran on an H200 (BENCHMARKS.md, runs 17-20).
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import tempfile
+
+import pytest
+
+from bench.load_sweep_cli import parse_args as parse_sweep_args
+from minedraft.banner import banner_lines
+from minedraft.cli import build_parser, stack_config
+from minedraft.cuda_mps import LOG_ENV, MPS_CONTROL, PIPE_ENV, CudaMpsDaemon, CudaMpsError
+from minedraft.launcher import Stack
+from minedraft.placement import CUDA_ENV, Placement
+from minedraft.stack import ServiceSpec, StackConfig
+
+CONTROL_SCRIPT = """#!/bin/sh
+printf '%s|%s|%s|%s\\n' "$*" "${CUDA_MPS_PIPE_DIRECTORY:-}" "${CUDA_MPS_LOG_DIRECTORY:-}" "$(cat)" >> "$CALLS"
+exit "${EXIT_CODE:-0}"
+"""
+
+
+@pytest.fixture
+def control(tmp_path, monkeypatch):
+    """A stand-in ``nvidia-cuda-mps-control`` first on PATH; returns the file its calls go to."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    script = bin_dir / MPS_CONTROL
+    script.write_text(CONTROL_SCRIPT)
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CALLS", str(calls))
+    return calls
+
+
+def _calls(path) -> list[list[str]]:
+    return [line.split("|") for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_daemon_starts_with_its_own_pipe_dir_and_quits(control, tmp_path):
+    daemon = CudaMpsDaemon.started(str(tmp_path / "run"))
+    assert daemon.is_running and os.path.isdir(daemon.pipe_dir) and os.path.isdir(tmp_path / "run" / "mps")
+    assert daemon.env == {PIPE_ENV: daemon.pipe_dir, LOG_ENV: str(tmp_path / "run" / "mps")}
+    assert len(daemon.pipe_dir) < 80  # + "/control" must fit a Unix socket address
+    daemon.stop()
+    daemon.stop()  # idempotent
+    assert _calls(control) == [["-d", daemon.pipe_dir, daemon.log_dir, ""], ["", daemon.pipe_dir, daemon.log_dir, "quit"]]
+    assert not daemon.is_running and not os.path.exists(daemon.pipe_dir)
+
+
+def test_a_failing_or_missing_control_program_names_the_flag(control, tmp_path, monkeypatch):
+    monkeypatch.setenv("EXIT_CODE", "3")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    os.makedirs(tempfile.tempdir)
+    with pytest.raises(CudaMpsError, match="--cuda-mps: .* exited with code 3"):
+        CudaMpsDaemon.started(str(tmp_path / "run"))
+    with pytest.raises(CudaMpsError, match="--cuda-mps: no-such-mps-control not found on PATH"):
+        CudaMpsDaemon.started(str(tmp_path / "run"), control="no-such-mps-control")
+    assert os.listdir(tempfile.tempdir) == []  # the failed start's pipe dir is gone
+
+
+def _spawn_env_dump(stack: Stack, name: str, gpus: str, out) -> None:
+    code = f"import json, os; json.dump(dict(os.environ), open({str(out)!r}, 'w'))"
+    service = stack._spawn(ServiceSpec(name, [sys.executable, "-c", code], "127.0.0.1:1", env={CUDA_ENV: gpus}))
+    assert service.process.wait(timeout=60) == 0
+
+
+@pytest.mark.parametrize("is_mps", [True, False])
+def test_only_gpu_children_join_one_daemon_which_stop_quits(control, tmp_path, is_mps):
+    cfg = StackConfig(device="cuda", verifier_gpus=(0,), drafter_gpu=0, cuda_mps=is_mps, runs_dir=str(tmp_path))
+    stack = Stack(cfg, run_dir=str(tmp_path / "run"))
+    os.makedirs(stack.run_dir)
+    _spawn_env_dump(stack, "verifier", "0", tmp_path / "verifier.json")
+    _spawn_env_dump(stack, "drafter", "0", tmp_path / "drafter.json")
+    _spawn_env_dump(stack, "coordinator", "", tmp_path / "coordinator.json")  # torch-free: no GPU
+    envs = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("verifier", "drafter", "coordinator")}
+    assert PIPE_ENV not in envs["coordinator"]
+    if is_mps:
+        pipe_dir = stack.mps.pipe_dir
+        assert envs["verifier"][PIPE_ENV] == envs["drafter"][PIPE_ENV] == pipe_dir
+        assert [call[0] for call in _calls(control)] == ["-d"]  # one daemon for both engines
+    else:
+        assert stack.mps is None and PIPE_ENV not in envs["verifier"] and _calls(control) == []
+    stack.stop()
+    assert stack.mps is None
+    assert [call[3] for call in _calls(control)] == (["", "quit"] if is_mps else [])
+
+
+def test_flags_and_validation():
+    parser = build_parser()
+    up = parser.parse_args(["up", "--device", "cuda", "--verifier-gpus", "0", "--drafter-gpu", "0", "--cuda-mps"])
+    cfg = stack_config(up, up.mode)
+    assert cfg.cuda_mps and cfg.placement.cuda_mps and cfg.placement.is_shared_gpu
+    assert not stack_config(parser.parse_args(["up"]), "psd").cuda_mps
+    with pytest.raises(ValueError, match="--cuda-mps: only with --device cuda"):
+        StackConfig(device="cpu", cuda_mps=True)
+    assert not Placement("cuda", (0,), 1).is_shared_gpu and not Placement("cpu").is_shared_gpu
+    base = ["--out-dir", "x", "--configs", "psd-k4-m16"]
+    assert parse_sweep_args(base + ["--cuda-mps"]).cuda_mps and not parse_sweep_args(base).cuda_mps
+    with pytest.raises(SystemExit):
+        parse_sweep_args(base + ["--device", "cpu", "--cuda-mps"])
+
+
+def test_banner_says_whether_the_shared_gpu_runs_under_mps():
+    shared = StackConfig(device="cuda", verifier_gpus=(0,), drafter_gpu=0)
+    assert any("--cuda-mps lets them run at the same time" in line for line in banner_lines(shared, "runs/x"))
+    with_mps = StackConfig(device="cuda", verifier_gpus=(0,), drafter_gpu=0, cuda_mps=True)
+    assert any("CUDA MPS: on" in line for line in banner_lines(with_mps, "runs/x"))
+    for cfg in (StackConfig(device="cuda", verifier_gpus=(0,), drafter_gpu=1), StackConfig(),
+                StackConfig(mode="ar", device="cuda", verifier_gpus=(0,), drafter_gpu=0)):
+        assert not any("MPS" in line for line in banner_lines(cfg, "runs/x"))
