@@ -32,7 +32,6 @@ from minedraft.probes import NUM_LOG_TAIL_LINES, health_status, log_tail  # noqa
 from minedraft.banner import banner_lines  # noqa: F401  (part of the launcher API)
 from minedraft.capacity import check_memory
 from minedraft.cuda_mps import CudaMpsDaemon
-from minedraft.placement import CUDA_ENV
 from minedraft.stack import ServiceSpec, StackConfig, build_service_specs, coordinator_spec
 
 POLL_S = 0.25
@@ -122,8 +121,8 @@ class Stack:
         return RunningService(spec, process, log_path)
 
     def _mps_env(self, spec: ServiceSpec) -> dict[str, str]:
-        """``--cuda-mps``: GPU children join the stack's MPS daemon, started on first need (CudaMpsError)."""
-        if not (self.cfg.cuda_mps and spec.env.get(CUDA_ENV)):
+        """``--cuda-mps``: the engines join the stack's MPS daemon, started on first need (CudaMpsError)."""
+        if not spec.is_cuda_mps:
             return {}
         self.mps = self.mps or CudaMpsDaemon.started(self.run_dir)
         return self.mps.env

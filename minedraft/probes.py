@@ -1,6 +1,9 @@
-"""Small probes the launcher uses on its children: grpc.health.v1 status and log tails (torch-free)."""
+"""Small probes the launcher uses on its children: grpc.health.v1 status, log tails and free
+loopback ports (torch-free)."""
 
 from __future__ import annotations
+
+import socket
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,3 +28,15 @@ def log_tail(path: str, num_lines: int = NUM_LOG_TAIL_LINES) -> str:
             return "".join(f.readlines()[-num_lines:])
     except OSError:
         return ""
+
+
+def free_loopback_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 right now (for test and soak stacks)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
 
 from minedraft.bench_only import check_acceptance_prob, fixed_acceptance_label
 from minedraft.placement import NO_GPU, NO_GPUS, Placement
+from minedraft.probes import free_loopback_ports  # noqa: F401  (part of the stack API)
 
 MODES = ("ar", "sd", "psd", "auto")  # auto: the coordinator picks ar / sd / psd per step (coordinator.auto_mode)
 K_POLICIES = ("fixed", "adaptive")  # coordinator.adaptive
@@ -165,27 +165,17 @@ class StackConfig:
         return 2 * self.max_num_seqs
 
 
-def free_loopback_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports free on 127.0.0.1 right now (for test and soak stacks)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 @dataclass(frozen=True)
 class ServiceSpec:
-    """One process of the stack: its command line, health address, CPU cores and environment."""
+    """One process of the stack: its command line, health address, CPU cores, environment, and
+    whether it joins the stack's private CUDA MPS daemon (``--cuda-mps``; the engines only)."""
 
     name: str
     argv: list[str]
     address: str
     cpus: tuple[int, ...] = NO_PINNING
     env: dict[str, str] = field(default_factory=dict)
+    is_cuda_mps: bool = False
 
 
 def resolve_draft_dir(cfg: StackConfig, target_dir: str, cache_root: str | None = None) -> str:
@@ -255,9 +245,10 @@ def verifier_spec(cfg: StackConfig, model_dir: str) -> ServiceSpec:
     if cfg.tensor_parallel_size > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc-per-node={cfg.tensor_parallel_size}"]
-        return ServiceSpec("verifier", [*launcher, *args], f"{cfg.host}:{cfg.verifier_port}", env=env)
+        return ServiceSpec("verifier", [*launcher, *args], f"{cfg.host}:{cfg.verifier_port}", env=env,
+                           is_cuda_mps=cfg.cuda_mps)
     return ServiceSpec("verifier", [sys.executable, *args], f"{cfg.host}:{cfg.verifier_port}",
-                       _pinned(cfg, VERIFIER_CPU), env)
+                       _pinned(cfg, VERIFIER_CPU), env, cfg.cuda_mps)
 
 
 def drafter_spec(cfg: StackConfig, model_dir: str, draft_dir: str) -> ServiceSpec:
@@ -265,7 +256,8 @@ def drafter_spec(cfg: StackConfig, model_dir: str, draft_dir: str) -> ServiceSpe
     argv = [sys.executable, "-m", "drafter_svc", "--draft", draft_dir, "--model", model_dir,
             *_engine_args(cfg, cfg.drafter_port, cfg.num_engine_threads), "--device", cfg.placement.drafter_device()]
     cpus = _pinned(cfg, DRAFTER_CPU)
-    return ServiceSpec("drafter", argv, f"{cfg.host}:{cfg.drafter_port}", cpus, cfg.placement.drafter_env())
+    return ServiceSpec("drafter", argv, f"{cfg.host}:{cfg.drafter_port}", cpus, cfg.placement.drafter_env(),
+                       cfg.cuda_mps)
 
 
 def coordinator_spec(cfg: StackConfig) -> ServiceSpec:

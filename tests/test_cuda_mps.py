@@ -10,6 +10,7 @@ import os
 import stat
 import sys
 import tempfile
+from dataclasses import replace
 
 import pytest
 
@@ -19,7 +20,7 @@ from minedraft.cli import build_parser, stack_config
 from minedraft.cuda_mps import LOG_ENV, MPS_CONTROL, PIPE_ENV, CudaMpsDaemon, CudaMpsError
 from minedraft.launcher import Stack
 from minedraft.placement import CUDA_ENV, Placement
-from minedraft.stack import ServiceSpec, StackConfig
+from minedraft.stack import ServiceSpec, StackConfig, coordinator_spec, drafter_spec, verifier_spec
 
 CONTROL_SCRIPT = """#!/bin/sh
 printf '%s|%s|%s|%s\\n' "$*" "${CUDA_MPS_PIPE_DIRECTORY:-}" "${CUDA_MPS_LOG_DIRECTORY:-}" "$(cat)" >> "$CALLS"
@@ -66,25 +67,27 @@ def test_a_failing_or_missing_control_program_names_the_flag(control, tmp_path, 
     assert os.listdir(tempfile.tempdir) == []  # the failed start's pipe dir is gone
 
 
-def _spawn_env_dump(stack: Stack, name: str, gpus: str, out) -> None:
+def _spawn_env_dump(stack: Stack, spec: ServiceSpec, out) -> dict[str, str]:
+    """Spawn ``spec``'s name, env and MPS flag with a command that writes its environment to ``out``."""
     code = f"import json, os; json.dump(dict(os.environ), open({str(out)!r}, 'w'))"
-    service = stack._spawn(ServiceSpec(name, [sys.executable, "-c", code], "127.0.0.1:1", env={CUDA_ENV: gpus}))
+    service = stack._spawn(replace(spec, argv=[sys.executable, "-c", code]))
     assert service.process.wait(timeout=60) == 0
+    return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("is_mps", [True, False])
-def test_only_gpu_children_join_one_daemon_which_stop_quits(control, tmp_path, is_mps):
+def test_the_engines_join_one_daemon_which_stop_quits(control, tmp_path, is_mps):
     cfg = StackConfig(device="cuda", verifier_gpus=(0,), drafter_gpu=0, cuda_mps=is_mps, runs_dir=str(tmp_path))
-    stack = Stack(cfg, run_dir=str(tmp_path / "run"))
+    specs = [verifier_spec(cfg, "/m"), drafter_spec(cfg, "/m", "/d"), coordinator_spec(cfg)]
+    # a Stack whose own config knows nothing of MPS, as bench's Engines: the specs decide
+    stack = Stack(StackConfig(runs_dir=str(tmp_path)), run_dir=str(tmp_path / "run"))
     os.makedirs(stack.run_dir)
-    _spawn_env_dump(stack, "verifier", "0", tmp_path / "verifier.json")
-    _spawn_env_dump(stack, "drafter", "0", tmp_path / "drafter.json")
-    _spawn_env_dump(stack, "coordinator", "", tmp_path / "coordinator.json")  # torch-free: no GPU
-    envs = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("verifier", "drafter", "coordinator")}
-    assert PIPE_ENV not in envs["coordinator"]
+    envs = {spec.name: _spawn_env_dump(stack, spec, tmp_path / f"{spec.name}.json") for spec in specs}
+    assert PIPE_ENV not in envs["coordinator"] and envs["coordinator"][CUDA_ENV] == ""  # torch-free: no GPU
     if is_mps:
         pipe_dir = stack.mps.pipe_dir
         assert envs["verifier"][PIPE_ENV] == envs["drafter"][PIPE_ENV] == pipe_dir
+        assert envs["verifier"][CUDA_ENV] == envs["drafter"][CUDA_ENV] == "0"
         assert [call[0] for call in _calls(control)] == ["-d"]  # one daemon for both engines
     else:
         assert stack.mps is None and PIPE_ENV not in envs["verifier"] and _calls(control) == []
