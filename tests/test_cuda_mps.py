@@ -1,12 +1,14 @@
 """``--cuda-mps``: flags, the private daemon's lifecycle and which children join it.
 
 CI has no NVIDIA driver, so ``nvidia-cuda-mps-control`` is a stand-in shell script on ``PATH`` that
-records how it was called; the real daemon ran on an H200 (BENCHMARKS.md, runs 17-20).
+records how it was called (and, at ``quit``, which engine pids were still alive); the real daemon
+ran on an H200 (BENCHMARKS.md, runs 17-18).
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import sys
 import tempfile
@@ -15,21 +17,38 @@ from dataclasses import replace
 import pytest
 
 from bench.load_sweep_cli import parse_args as parse_sweep_args
+from minedraft import cuda_mps
 from minedraft.banner import banner_lines
 from minedraft.cli import build_parser, stack_config
-from minedraft.cuda_mps import LOG_ENV, MPS_CONTROL, PIPE_ENV, CudaMpsDaemon, CudaMpsError
+from minedraft.cuda_mps import LOG_ENV, MPS_CONTROL, PIPE_DIR_FILE, PIPE_ENV, CudaMpsDaemon, CudaMpsError
 from minedraft.launcher import Stack
 from minedraft.placement import CUDA_ENV, Placement
 from minedraft.stack import ServiceSpec, StackConfig, coordinator_spec, drafter_spec, verifier_spec
 
 CONTROL_SCRIPT = """#!/bin/sh
-printf '%s|%s|%s|%s\\n' "$*" "${CUDA_MPS_PIPE_DIRECTORY:-}" "${CUDA_MPS_LOG_DIRECTORY:-}" "$(cat)" >> "$CALLS"
+[ -z "${HANG_S:-}" ] || sleep "$HANG_S"
+input="$(cat)"
+alive=""
+if [ -f "${CHILD_PIDS:-/nonexistent}" ]; then
+  for pid in $(cat "$CHILD_PIDS"); do kill -0 "$pid" 2>/dev/null && alive="$alive $pid"; done
+fi
+printf '%s|%s|%s|%s|%s\\n' "$*" "${CUDA_MPS_PIPE_DIRECTORY:-}" "${CUDA_MPS_LOG_DIRECTORY:-}" "$input" "$alive" >> "$CALLS"
 exit "${EXIT_CODE:-0}"
 """
+SLEEP_CODE = "import time; time.sleep(120)"
 
 
 @pytest.fixture
-def control(tmp_path, monkeypatch):
+def temp_root(monkeypatch):
+    """A short, private system temp dir (``tempfile.tempdir``): what it holds afterwards leaked."""
+    root = tempfile.mkdtemp(prefix="mdt-", dir="/tmp")
+    monkeypatch.setattr(tempfile, "tempdir", root)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def control(tmp_path, monkeypatch, temp_root):
     """A stand-in ``nvidia-cuda-mps-control`` first on PATH; returns the file its calls go to."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
     bin_dir.mkdir()
@@ -45,26 +64,44 @@ def _calls(path) -> list[list[str]]:
     return [line.split("|") for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_daemon_starts_with_its_own_pipe_dir_and_quits(control, tmp_path):
-    daemon = CudaMpsDaemon.started(str(tmp_path / "run"))
-    assert daemon.is_running and os.path.isdir(daemon.pipe_dir) and os.path.isdir(tmp_path / "run" / "mps")
-    assert daemon.env == {PIPE_ENV: daemon.pipe_dir, LOG_ENV: str(tmp_path / "run" / "mps")}
-    assert len(daemon.pipe_dir) < 80  # + "/control" must fit a Unix socket address
+def test_daemon_starts_with_its_own_pipe_dir_and_quits(control, tmp_path, temp_root, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    daemon = CudaMpsDaemon.started("run")  # a relative run dir: the daemon gets an absolute log dir
+    log_dir = str(tmp_path / "run" / "mps")
+    assert daemon.is_running and os.path.dirname(daemon.pipe_dir) == temp_root and os.path.isdir(log_dir)
+    assert daemon.env == {PIPE_ENV: daemon.pipe_dir, LOG_ENV: log_dir}
+    assert open(os.path.join(log_dir, PIPE_DIR_FILE)).read().strip() == daemon.pipe_dir
     daemon.stop()
     daemon.stop()  # idempotent
-    assert _calls(control) == [["-d", daemon.pipe_dir, daemon.log_dir, ""], ["", daemon.pipe_dir, daemon.log_dir, "quit"]]
-    assert not daemon.is_running and not os.path.exists(daemon.pipe_dir)
+    assert _calls(control) == [["-d", daemon.pipe_dir, log_dir, "", ""], ["", daemon.pipe_dir, log_dir, "quit", ""]]
+    assert not daemon.is_running and os.listdir(temp_root) == []
 
 
-def test_a_failing_or_missing_control_program_names_the_flag(control, tmp_path, monkeypatch):
+def test_a_failing_missing_or_hanging_control_program_names_the_flag(control, tmp_path, temp_root, monkeypatch):
     monkeypatch.setenv("EXIT_CODE", "3")
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    os.makedirs(tempfile.tempdir)
     with pytest.raises(CudaMpsError, match="--cuda-mps: .* exited with code 3"):
         CudaMpsDaemon.started(str(tmp_path / "run"))
     with pytest.raises(CudaMpsError, match="--cuda-mps: no-such-mps-control not found on PATH"):
         CudaMpsDaemon.started(str(tmp_path / "run"), control="no-such-mps-control")
-    assert os.listdir(tempfile.tempdir) == []  # the failed start's pipe dir is gone
+    monkeypatch.setenv("HANG_S", "5")
+    monkeypatch.setattr(cuda_mps, "CONTROL_TIMEOUT_S", 0.3)
+    with pytest.raises(CudaMpsError, match="--cuda-mps: .* -d: .*timed out"):
+        CudaMpsDaemon.started(str(tmp_path / "run"))
+    assert os.listdir(temp_root) == []  # no failed start leaves its pipe dir
+
+
+def test_a_temp_dir_too_long_for_the_control_socket(control, tmp_path, temp_root, monkeypatch):
+    long_dir = os.path.join(temp_root, "x" * 100)
+    os.makedirs(long_dir)
+    monkeypatch.setattr(tempfile, "tempdir", long_dir)
+    monkeypatch.setattr(cuda_mps, "FALLBACK_TEMP_DIR", temp_root)
+    daemon = CudaMpsDaemon.started(str(tmp_path / "run"))
+    assert os.path.dirname(daemon.pipe_dir) == temp_root and len(daemon.pipe_dir) + len("/control") <= 107
+    daemon.stop()
+    monkeypatch.setattr(cuda_mps, "FALLBACK_TEMP_DIR", long_dir)
+    with pytest.raises(CudaMpsError, match="--cuda-mps: no temp dir short enough"):
+        CudaMpsDaemon.started(str(tmp_path / "run"))
+    assert os.listdir(long_dir) == [] and os.listdir(temp_root) == ["x" * 100]
 
 
 def _spawn_env_dump(stack: Stack, spec: ServiceSpec, out) -> dict[str, str]:
@@ -96,6 +133,28 @@ def test_the_engines_join_one_daemon_which_stop_quits(control, tmp_path, is_mps)
     assert [call[3] for call in _calls(control)] == (["", "quit"] if is_mps else [])
 
 
+def test_stop_quits_the_daemon_only_after_the_engines_exited(control, tmp_path, monkeypatch):
+    cfg = StackConfig(device="cuda", verifier_gpus=(0,), drafter_gpu=0, cuda_mps=True, runs_dir=str(tmp_path))
+    stack = Stack(cfg, run_dir=str(tmp_path / "run"))
+    os.makedirs(stack.run_dir)
+    pids = tmp_path / "pids.txt"
+    monkeypatch.setenv("CHILD_PIDS", str(pids))
+    for spec in (verifier_spec(cfg, "/m"), drafter_spec(cfg, "/m", "/d")):
+        stack.services.append(stack._spawn(replace(spec, argv=[sys.executable, "-c", SLEEP_CODE])))
+    pids.write_text(" ".join(str(s.process.pid) for s in stack.services))
+    assert all(s.process.poll() is None for s in stack.services)
+    stack.stop()
+    calls = _calls(control)
+    assert [call[3] for call in calls] == ["", "quit"] and calls[1][4] == ""  # no engine alive at quit
+
+
+def test_a_tensor_parallel_verifier_joins_too():
+    cfg = StackConfig(device="cuda", tensor_parallel_size=2, verifier_gpus=(0, 1), drafter_gpu=1, cuda_mps=True)
+    spec = verifier_spec(cfg, "/m")
+    assert "torch.distributed.run" in spec.argv and spec.is_cuda_mps and spec.env[CUDA_ENV] == "0,1"
+    assert not verifier_spec(replace(cfg, cuda_mps=False), "/m").is_cuda_mps
+
+
 def test_flags_and_validation():
     parser = build_parser()
     up = parser.parse_args(["up", "--device", "cuda", "--verifier-gpus", "0", "--drafter-gpu", "0", "--cuda-mps"])
@@ -118,4 +177,4 @@ def test_banner_says_whether_the_shared_gpu_runs_under_mps():
     assert any("CUDA MPS: on" in line for line in banner_lines(with_mps, "runs/x"))
     for cfg in (StackConfig(device="cuda", verifier_gpus=(0,), drafter_gpu=1), StackConfig(),
                 StackConfig(mode="ar", device="cuda", verifier_gpus=(0,), drafter_gpu=0)):
-        assert not any("MPS" in line for line in banner_lines(cfg, "runs/x"))
+        assert not any("mps" in line.lower() for line in banner_lines(cfg, "runs/x"))
