@@ -94,16 +94,18 @@ class Scheduler(StepLoop):
         self.waiting[request.request_id] = request
         self._wakeup.set()
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, request: RequestState | None = None) -> bool:
         """Abort a waiting or running request: finish it with "abort", drop its pending drafts,
-        and release its KV in both engines at the next sync point. Returns False if unknown."""
-        request = self.waiting.pop(request_id, None)
-        if request is not None:
-            request.finish(FinishReason.ABORT)
-            return True
-        if request_id not in self.running:
+        and release its KV in both engines at the next sync point. Returns False if unknown.
+        With ``request``, only that request: a stream cleaning up after itself must not abort a
+        newer request that reuses its id."""
+        found = self.waiting.get(request_id, self.running.get(request_id))
+        if found is None or (request is not None and found is not request):
             return False
-        self._retire(self.running[request_id], FinishReason.ABORT)
+        if self.waiting.pop(request_id, None) is not None:
+            found.finish(FinishReason.ABORT)
+            return True
+        self._retire(found, FinishReason.ABORT)
         self._wakeup.set()
         return True
 

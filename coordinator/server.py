@@ -106,8 +106,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 is_done = message.WhichOneof("response") != "chunk"
                 yield message
         finally:
-            if not is_done:  # client went away (cancel) before the finish: abort it
-                scheduler.abort(state.request_id)
+            if not is_done:  # client went away (cancel) before the finish: abort it (not a reuse of its id)
+                scheduler.abort(state.request_id, state)
 
     async def Abort(self, request, context) -> common_pb2.AbortResponse:
         """Abort a waiting or running request; ``found`` is False for unknown ids."""

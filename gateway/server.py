@@ -41,7 +41,7 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
         self._tokenizer = tokenizer
         self._channel = aio_channel(cfg.coordinator)
         self._coordinator = coordinator_pb2_grpc.CoordinatorStub(self._channel)
-        self._in_flight: set[str] = set()
+        self._in_flight: dict[str, object] = {}  # request id -> the token of the run() that owns it
 
     @property
     def coordinator_channel(self) -> grpc.aio.Channel:
@@ -84,15 +84,21 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
     async def run(self, prepared: PreparedRequest):
         """Streams one prepared request: GenerateResponse chunks, then one ``complete`` or ``error``.
         Closing the generator early aborts the request at the coordinator."""
-        request_id = prepared.request_id
-        self._in_flight.add(request_id)
+        request_id, owner = prepared.request_id, object()
+        self._in_flight[request_id] = owner
         try:
-            traced = traced_generate(request_id, len(prepared.prompt_token_ids), self._stream(prepared))
+            traced = traced_generate(request_id, len(prepared.prompt_token_ids), self._stream(prepared, owner))
             async with contextlib.aclosing(traced) as stream:
                 async for response in stream:
                     yield response
         finally:
-            self._in_flight.discard(request_id)
+            self._release(request_id, owner)
+
+    def _release(self, request_id: str, owner: object) -> None:
+        """Free ``request_id`` for reuse, if ``owner`` still holds it (an Abort may have freed it
+        already, and a new request may hold it now)."""
+        if self._in_flight.get(request_id) is owner:
+            del self._in_flight[request_id]
 
     async def Generate(self, request, context):
         await _refuse_malformed(request, context)
@@ -104,7 +110,7 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
             async for response in stream:
                 yield response
 
-    async def _stream(self, prepared):
+    async def _stream(self, prepared, owner: object):
         request_id = prepared.request_id
         output = RequestOutput(self._tokenizer.hf_tokenizer, prepared.prompt_token_ids,
                                prepared.stops, prepared.include_stop_str_in_output)
@@ -131,7 +137,8 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
             if output.is_stopped:
                 is_done = True
                 call.cancel()
-                await self._abort_at_coordinator(request_id)
+                if self._in_flight.get(request_id) is owner:
+                    await self._abort_at_coordinator(request_id)
                 async for final in self._finish(output, request_id, FINISH_ABORT, None):
                     yield final
                 return
@@ -143,7 +150,8 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
         finally:
             if not is_done:  # client cancelled or the stream broke: free the slots
                 call.cancel()
-                await asyncio.shield(self._abort_at_coordinator(request_id))
+                if self._in_flight.get(request_id) is owner:  # not already aborted (Abort frees the id)
+                    await asyncio.shield(self._abort_at_coordinator(request_id))
 
     async def _finish(self, output: RequestOutput, request_id: str, finish_reason: str, usage):
         tail = output.on_finish()
@@ -156,9 +164,13 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
         await _refuse_malformed(request, context)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
-        if request.request_id not in self._in_flight:
+        owner = self._in_flight.get(request.request_id)
+        if owner is None:
             return common_pb2.AbortResponse(found=False)
-        return common_pb2.AbortResponse(found=await self._abort_at_coordinator(request.request_id))
+        found = await self._abort_at_coordinator(request.request_id)
+        if found:  # the coordinator has finished it: its id is free for a new request at once
+            self._release(request.request_id, owner)
+        return common_pb2.AbortResponse(found=found)
 
     async def ListModels(self, request, context):
         await _refuse_malformed(request, context)

@@ -117,3 +117,22 @@ def test_invalid_and_excess_requests_get_errors() -> None:
             assert [(await task)[1] for task in (running, queued)] == ["length", "length"]
 
     asyncio.run(main())
+
+
+def test_a_stale_abort_of_a_reused_id_leaves_the_new_request_alone() -> None:
+    """A stream that cleans up after itself aborts its own request only (``Scheduler.abort(id,
+    request)``), not a newer request that reuses the id after an Abort freed it."""
+    async def main():
+        async with Harness(mode="psd", max_num_seqs=2, delay_s=0.01) as h:
+            old = asyncio.create_task(h.generate("dup", [4, 5], max_tokens=500, ignore_eos=True))
+            await wait_until(lambda: "dup" in h.scheduler.running, timeout_s=5)
+            old_state = h.scheduler.running["dup"]
+            assert (await h.stub.Abort(common_pb2.AbortRequest(request_id="dup"))).found
+            assert (await old)[1] == "abort"
+            new = asyncio.create_task(h.generate("dup", [6, 7], max_tokens=24, ignore_eos=True))
+            await wait_until(lambda: "dup" in h.scheduler.running or "dup" in h.scheduler.waiting, timeout_s=5)
+            assert h.scheduler.abort("dup", old_state) is False  # the old stream's late clean-up
+            tokens, reason, _ = await new
+            assert reason == "length" and tokens == _expected([6, 7], {"max_tokens": 24, "ignore_eos": True})
+
+    asyncio.run(main())

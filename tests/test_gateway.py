@@ -161,6 +161,23 @@ def test_client_cancel_aborts_at_the_coordinator(client, stack, tokenizer):
     assert "req-cancel" in fake.aborted
 
 
+def test_an_aborted_request_id_is_free_at_once(client, stack, tokenizer):
+    """Abort frees the id when the coordinator confirms, though the aborted stream is still open;
+    that stream's later clean-up does not abort the request now holding the id."""
+    fake, _ = stack
+    fake.script = [[tokenizer.encode(" a", add_special_tokens=False)[0]]] * 40
+    fake.step_delay_s = 1.0  # the fake ends the aborted stream only at its next step
+    old = client.stream(build_request("hi", request_id="req-reuse", max_tokens=40))
+    assert next(old).WhichOneof("response") == "chunk"
+    assert client.abort("req-reuse") is True
+    again = client.stream(build_request("hi", request_id="req-reuse", max_tokens=40))
+    assert next(again).WhichOneof("response") in ("chunk", "complete")  # not INVALID_ARGUMENT "in flight"
+    old.close()
+    again.close()
+    time.sleep(0.5)
+    assert fake.aborted.count("req-reuse") == 1  # the Abort only: the first stream's close sends none
+
+
 def test_abort_rpc_and_list_models(client, stack):
     fake, _ = stack
     assert client.abort("unknown-id") is False
