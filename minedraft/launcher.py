@@ -79,7 +79,7 @@ class Stack:
     cfg: StackConfig
     run_dir: str = ""
     services: list[RunningService] = field(default_factory=list)
-    mps: CudaMpsDaemon | None = None  # ``--cuda-mps``: started with the first GPU child, quit by ``stop``
+    mps: CudaMpsDaemon | None = None  # ``--cuda-mps``: started with the first engine, quit by ``stop``
 
     def __enter__(self) -> "Stack":
         return self
