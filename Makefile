@@ -45,4 +45,4 @@ up: $(STAMP)
 	$(VENV)/bin/minedraft up $(UP_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .hypothesis  # runs/ (logs, demo results) stays
