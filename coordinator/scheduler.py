@@ -249,6 +249,8 @@ class Scheduler(StepLoop):
         """Requests to admit from the queue's head now (the balancer may hold some one step)."""
         num = max(min(num_free, len(self.waiting)), 0)
         head = [request for request, _ in zip(self.waiting.values(), range(num))]
+        # an id aborted and reused before its KV release ran waits for the next sync (FIFO: and those behind it)
+        head = head[:next((i for i, r in enumerate(head) if r.request_id in self._to_release), len(head))]
         num = num_within_token_budget([len(r.prompt_token_ids) for r in head], self.cfg.max_num_batched_tokens)
         head = head[:num]
         if not self.cfg.uses_batches or num == 0 or self.effective_mode != Mode.PSD:

@@ -9,7 +9,7 @@ import asyncio
 
 import grpc
 
-from coordinator_harness import BAD_TOKEN, Harness, _expected, _workload, toy_next, wait_until
+from coordinator_harness import BAD_TOKEN, FakeVerifier, Harness, _expected, _workload, toy_next, wait_until
 from minedraft.v1 import common_pb2, coordinator_pb2, engine_pb2
 
 
@@ -132,6 +132,53 @@ def test_a_stale_abort_of_a_reused_id_leaves_the_new_request_alone() -> None:
             new = asyncio.create_task(h.generate("dup", [6, 7], max_tokens=24, ignore_eos=True))
             await wait_until(lambda: "dup" in h.scheduler.running or "dup" in h.scheduler.waiting, timeout_s=5)
             assert h.scheduler.abort("dup", old_state) is False  # the old stream's late clean-up
+            tokens, reason, _ = await new
+            assert reason == "length" and tokens == _expected([6, 7], {"max_tokens": 24, "ignore_eos": True})
+
+    asyncio.run(main())
+
+
+def test_an_id_reused_while_its_release_is_in_flight_waits_for_it(monkeypatch) -> None:
+    """Abort + reuse landing while the step loop awaits a KV release: the new request is admitted
+    only after the old one's release ran (the engines refuse an id that is still active)."""
+    release_started = asyncio.Event()
+    release = FakeVerifier.ReleaseRequests
+
+    async def slow_release(self, request, context):
+        release_started.set()
+        await asyncio.sleep(0.2)  # a busy engine host
+        return await release(self, request, context)
+
+    monkeypatch.setattr(FakeVerifier, "ReleaseRequests", slow_release)
+
+    async def main():
+        async with Harness(mode="psd", max_num_seqs=2, delay_s=0.01) as h:
+            old = asyncio.create_task(h.generate("dup", [4, 5], max_tokens=500, ignore_eos=True))
+            await wait_until(lambda: "dup" in h.scheduler.running, timeout_s=5)
+            await h.generate("short", [6, 7], max_tokens=2, ignore_eos=True)
+            release_started.clear()
+            await release_started.wait()  # the loop is in _sync, releasing "short"
+            assert (await h.stub.Abort(common_pb2.AbortRequest(request_id="dup"))).found
+            assert (await old)[1] == "abort"
+            tokens, reason, _ = await h.generate("dup", [6, 7], max_tokens=8, ignore_eos=True)
+            assert reason == "length" and tokens == _expected([6, 7], {"max_tokens": 8, "ignore_eos": True})
+            await wait_until(lambda: not h.verifier.committed, timeout_s=5)
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_stream_cleans_up_its_own_request_not_a_reuse_of_its_id() -> None:
+    """Generate's clean-up after a cancel (no finish read) aborts its own request only."""
+    async def main():
+        async with Harness(mode="psd", max_num_seqs=2, delay_s=0.01) as h:
+            old = h.servicer.Generate(coordinator_pb2.CoordinatorGenerateRequest(
+                request_id="dup", prompt_token_ids=[4, 5],
+                sampling=common_pb2.SamplingParams(max_tokens=500, ignore_eos=True)), None)
+            assert (await old.__anext__()).WhichOneof("response") == "chunk"
+            assert h.scheduler.abort("dup")  # as the Abort RPC; the old stream has not read its finish
+            new = asyncio.create_task(h.generate("dup", [6, 7], max_tokens=24, ignore_eos=True))
+            await wait_until(lambda: "dup" in h.scheduler.running, timeout_s=5)
+            await old.aclose()  # the client went away: the stream's finally runs
             tokens, reason, _ = await new
             assert reason == "length" and tokens == _expected([6, 7], {"max_tokens": 24, "ignore_eos": True})
 
