@@ -94,10 +94,14 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
         finally:
             self._release(request_id, owner)
 
+    def _owns(self, request_id: str, owner: object) -> bool:
+        """Whether ``owner``'s run still holds ``request_id`` (an Abort may have freed it already,
+        and a new request may hold it now)."""
+        return self._in_flight.get(request_id) is owner
+
     def _release(self, request_id: str, owner: object) -> None:
-        """Free ``request_id`` for reuse, if ``owner`` still holds it (an Abort may have freed it
-        already, and a new request may hold it now)."""
-        if self._in_flight.get(request_id) is owner:
+        """Free ``request_id`` for reuse, if ``owner`` still holds it."""
+        if self._owns(request_id, owner):
             del self._in_flight[request_id]
 
     async def Generate(self, request, context):
@@ -137,7 +141,7 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
             if output.is_stopped:
                 is_done = True
                 call.cancel()
-                if self._in_flight.get(request_id) is owner:
+                if self._owns(request_id, owner):
                     await self._abort_at_coordinator(request_id)
                 async for final in self._finish(output, request_id, FINISH_ABORT, None):
                     yield final
@@ -150,7 +154,7 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
         finally:
             if not is_done:  # client cancelled or the stream broke: free the slots
                 call.cancel()
-                if self._in_flight.get(request_id) is owner:  # not already aborted (Abort frees the id)
+                if self._owns(request_id, owner):  # not already aborted (Abort frees the id)
                     await asyncio.shield(self._abort_at_coordinator(request_id))
 
     async def _finish(self, output: RequestOutput, request_id: str, finish_reason: str, usage):

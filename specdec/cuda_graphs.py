@@ -186,8 +186,11 @@ class StaticStepper:
                 elif run_eager:
                     static_forward(self.model, self.cache, self._dummy_input(key), *key[1:3],
                                    self._layers, key[3])
-                shapes = self.precaptured_prefill_shapes if key[3] else self.precaptured_shapes
-                shapes.add(key[1:3] if key[3] else key[:3])
+                batch, num_tokens, kv_len, is_prefill = key
+                if is_prefill:
+                    self.precaptured_prefill_shapes.add((num_tokens, kv_len))
+                else:
+                    self.precaptured_shapes.add((batch, num_tokens, kv_len))
         seconds = time.perf_counter() - started
         count = len(self.precaptured_shapes) + len(self.precaptured_prefill_shapes)
         logger.info("precaptured %d static shapes (graphs=%s) in %.1f s", count, self.use_graphs,

@@ -9,6 +9,7 @@ import glob
 import os
 
 import torch
+from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -42,22 +43,14 @@ def read_draft_weights(draft_dir: str) -> dict[str, torch.Tensor]:
 def write_draft_weights(weights: dict[str, torch.Tensor], out_dir: str,
                         max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
     """Write ``weights`` as ``DRAFT_WEIGHTS_FILE`` when they fit in ``max_shard_bytes``, else as
-    shards of whole tensors (in key order, each shard within the limit unless one tensor alone
-    exceeds it); weight files of an earlier save in ``out_dir`` are removed. Returns the paths."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, tensor in weights.items():
-        num_bytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + num_bytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = tensor
-        size += num_bytes
+    shards of whole tensors (``huggingface_hub.split_torch_state_dict_into_shards``: each shard
+    within the limit unless one tensor alone exceeds it); weight files of an earlier save in
+    ``out_dir`` are removed. Returns the paths."""
+    split = split_torch_state_dict_into_shards(weights, max_shard_size=max_shard_bytes)
     for stale in draft_weight_files(out_dir):
         os.remove(stale)
-    names = [DRAFT_WEIGHTS_FILE] if len(shards) == 1 else [
-        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    paths = [os.path.join(out_dir, name) for name in names]
-    for shard, path in zip(shards, paths):
-        save_file(shard, path, metadata={"format": "pt"})
+    paths = []
+    for name, keys in split.filename_to_tensors.items():
+        paths.append(os.path.join(out_dir, name))
+        save_file({key: weights[key] for key in keys}, paths[-1], metadata={"format": "pt"})
     return paths
