@@ -74,6 +74,8 @@ def check_draft_memory(draft_dir: str, args: argparse.Namespace) -> None:
 
 def load_worker(args: argparse.Namespace):
     """Build the ``DraftWorker`` (blocking: loads the model)."""
+    if args.engine == "vllm":
+        return _load_vllm_worker(args)
     from specdec.config import CacheConfig, ModelConfig
     from specdec.loader import resolve_model_dir
     from specdec.runner import ModelRunner
@@ -89,6 +91,20 @@ def load_worker(args: argparse.Namespace):
     target_vocab_size = _target_vocab_size(args, draft_dir)
     runner = ModelRunner(model_cfg, cache_cfg)
     return DraftWorker(runner, target_vocab_size=target_vocab_size, seed=args.seed)
+
+
+def _load_vllm_worker(args: argparse.Namespace):
+    """``VllmDraftWorker`` (a MineDraft draft dir is exported to a standalone HF dir first)."""
+    from drafter_svc.engine_service import vllm_engine_config
+    from specdec.config import ModelConfig
+    from specdec.loader import resolve_model_dir
+    from specdec.vllm_backend.draft import VllmDraftWorker
+    from specdec.vllm_backend.models import resolve_vllm_model
+
+    target_dir = None if args.model is None else resolve_model_dir(ModelConfig(model=args.model))
+    draft_dir, load_format = resolve_vllm_model(args.draft, target_dir)
+    target_vocab_size = _target_vocab_size(args, draft_dir)
+    return VllmDraftWorker(vllm_engine_config(args, draft_dir, load_format), target_vocab_size, seed=args.seed)
 
 
 def _probs_server(args: argparse.Namespace):
@@ -123,7 +139,8 @@ async def serve(args: argparse.Namespace) -> None:
     servicer.attach(await servicer.executor.run(load_worker, args))
     await servicer.executor.run(servicer.warm_up)
     await health.set_serving()
-    logger.info("drafter SERVING %s on %s:%d (data plane %s)", args.draft, args.host, port, args.data_plane)
+    logger.info("drafter SERVING %s on %s:%d (engine %s, data plane %s)", args.draft, args.host, port,
+                args.engine, args.data_plane)
     try:
         await serve_until_signal(server, health, args.grace_s)
     finally:

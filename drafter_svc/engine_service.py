@@ -119,21 +119,21 @@ def check_unique_ids(request_ids: list[str]) -> None:
         raise ValueError(f"request ids must be distinct, got {request_ids}")
 
 
-def engine_info(runner, model_name: str, request_ids, tensor_parallel_size: int = 1) -> engine_pb2.EngineInfo:
-    """``EngineInfo`` of a ``specdec.runner.ModelRunner`` and the requests holding its slots."""
+def engine_info(facts, model_name: str, request_ids, tensor_parallel_size: int = 1) -> engine_pb2.EngineInfo:
+    """``EngineInfo`` from an engine's ``specdec.engine_api.EngineFacts`` and the requests it holds."""
     return engine_pb2.EngineInfo(
         model=model_name,
-        vocab_size=runner.vocab_size,
-        max_num_seqs=runner.cache_cfg.max_num_seqs,
-        max_model_len=runner.cache_cfg.max_model_len,
-        num_free_slots=runner.num_free_slots,
-        eos_token_ids=list(runner.eos_token_ids),
+        vocab_size=facts.vocab_size,
+        max_num_seqs=facts.max_num_seqs,
+        max_model_len=facts.max_model_len,
+        num_free_slots=facts.num_free_slots,
+        eos_token_ids=list(facts.eos_token_ids),
         tensor_parallel_size=tensor_parallel_size,
-        device=runner.model_cfg.device,
-        dtype=runner.model_cfg.dtype,
+        device=facts.device,
+        dtype=facts.dtype,
         request_ids=sorted(request_ids),
-        weight_bytes=runner.weight_bytes,
-        kv_cache_bytes=runner.kv_cache_bytes,
+        weight_bytes=facts.weight_bytes,
+        kv_cache_bytes=facts.kv_cache_bytes,
     )
 
 
@@ -154,8 +154,32 @@ def check_common_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error(str(exc))
 
 
+def vllm_engine_config(args: argparse.Namespace, model_dir: str, load_format: str, **overrides):
+    """``specdec.vllm_backend.engine.VllmEngineConfig`` of an engine service started with
+    ``--engine vllm`` (device ``cuda:N`` -> ``cuda``: vLLM uses the GPUs ``CUDA_VISIBLE_DEVICES``
+    shows). Raises ValueError naming a bad field."""
+    from specdec.vllm_backend.engine import VllmEngineConfig
+
+    return VllmEngineConfig(
+        model=model_dir, device="cuda" if args.device.startswith("cuda") else args.device, dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, load_format=load_format,
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_space_gib=args.kv_cache_space_gib,
+        enforce_eager=args.enforce_eager, seed=args.seed or 0, **overrides)
+
+
 def add_common_args(parser: argparse.ArgumentParser, default_port: int) -> None:
-    """Flags both engine services take (model dtype/device, capacity, serving, data plane)."""
+    """Flags both engine services take (engine backend, model dtype/device, capacity, serving, data plane)."""
+    from specdec.engine_api import ENGINES
+
+    parser.add_argument("--engine", choices=ENGINES, default="native",
+                        help="what runs the model: native (transformers + our slot KV cache and CUDA graphs) "
+                             "or vllm (vLLM's engine, paged KV cache and kernels; specdec.vllm_backend)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                        help="--engine vllm on cuda: fraction of the GPU this engine may use")
+    parser.add_argument("--kv-cache-space-gib", type=float, default=1.0,
+                        help="--engine vllm on cpu: KV cache size in GiB")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="--engine vllm: no torch.compile / CUDA graphs (faster start, slower steps)")
     parser.add_argument("--dtype", default="float32", help="parameter and KV-cache dtype")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="KV-cache slots")

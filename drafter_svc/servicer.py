@@ -154,7 +154,7 @@ class DrafterServicer(engine_pb2_grpc.DrafterServicer):
 
     async def GetInfo(self, request, context):
         await self._check_ready(context)
-        return engine_info(self.worker.runner, self.model_name, set(self._request_ids))
+        return engine_info(self.worker.facts(), self.model_name, set(self._request_ids))
 
 
 def _row_ks(request: engine_pb2.DraftRequest) -> list[int]:

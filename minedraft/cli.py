@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from minedraft.engine_backend import ENGINES
 from minedraft.placement import DEVICES, NO_GPU, default_dtype, parse_gpu_list
 from minedraft.stack import (BALANCERS, DATA_PLANES, DEFAULT_TARGET, K_POLICIES, MODES, StackConfig,
                              default_data_plane)
@@ -71,6 +72,15 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-graph-prefill-tokens", type=int, default=None,
                    help="engines replay a CUDA graph per power-of-two length bucket for one-prompt prefills up "
                         "to this many tokens (0: off; default 1024 on cuda with graphs, else 0)")
+    p.add_argument("--engine", choices=ENGINES, default="native",
+                   help="what runs the models: native (our transformers engine, the CPU default) or vllm "
+                        "(vLLM's engine; on CPU from .venv-vllm: bash bench/setup_vllm.sh)")
+    p.add_argument("--engine-python", default="", help="--engine vllm: the Python with vLLM (default: found)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="--engine vllm on cuda: the verifier's share of its GPU (default 0.85, 0.55 when "
+                        "the drafter shares it)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="--engine vllm: no torch.compile / CUDA graphs (faster start, slower steps)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="coordinator admits at most this many prompt tokens between two steps, so running "
                         "requests keep decoding and first tokens stream sooner (0: no limit; a longer prompt "
@@ -80,7 +90,8 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
 def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
     """StackConfig from the ``up`` flags (raises ValueError naming a bad field)."""
     return StackConfig(mode=mode, num_speculative_tokens=args.k, max_num_seqs=args.max_num_seqs,
-                       tensor_parallel_size=args.tp, data_plane=args.data_plane or default_data_plane(args.device),
+                       tensor_parallel_size=args.tp,
+                       data_plane=args.data_plane or default_data_plane(args.device, args.engine),
                        target=args.target,
                        draft=args.draft, max_model_len=args.max_model_len,
                        dtype=args.dtype or default_dtype(args.device), device=args.device,
@@ -92,7 +103,9 @@ def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
                        metrics_port=args.metrics_port, step_log=args.step_log, k_policy=args.k_policy,
                        balancer=args.balancer, max_prefill_tokens=args.max_prefill_tokens,
                        max_graph_prefill_tokens=args.max_graph_prefill_tokens,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
+                       max_num_batched_tokens=args.max_num_batched_tokens, engine=args.engine,
+                       engine_python=args.engine_python, gpu_memory_utilization=args.gpu_memory_utilization,
+                       enforce_eager=args.enforce_eager)
 
 
 def add_prompts_args(p: argparse.ArgumentParser) -> None:

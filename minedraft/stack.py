@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass, field
 
 from minedraft.bench_only import check_acceptance_prob, fixed_acceptance_label
+from minedraft.engine_backend import ENGINES, engine_python, vllm_service_args
 from minedraft.placement import NO_GPU, NO_GPUS, Placement
 from minedraft.probes import free_loopback_ports  # noqa: F401  (part of the stack API)
 
@@ -24,10 +25,11 @@ DATA_PLANES = ("inline", "dist", "ipc")
 _COORDINATOR_PLANE = {"inline": "inline", "dist": "dist", "ipc": "dist"}
 
 
-def default_data_plane(device: str) -> str:
-    """``ipc`` for GPU engines (one host: CUDA IPC beat NCCL in every measured shape, ~0.1-0.3 ms
-    vs ~0.3-0.9 ms a step on two H200; BENCHMARKS.md), ``inline`` on CPU (the demo default)."""
-    return "ipc" if device.startswith("cuda") else "inline"
+def default_data_plane(device: str, engine: str = "native") -> str:
+    """``ipc`` for native GPU engines (one host: CUDA IPC beat NCCL in every measured shape,
+    ~0.1-0.3 ms vs ~0.3-0.9 ms a step on two H200; BENCHMARKS.md), ``inline`` on CPU (the demo
+    default) and on the vLLM engine (only draft token ids travel: vLLM verifies without q)."""
+    return "ipc" if device.startswith("cuda") and engine == "native" else "inline"
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT_DIR = "drafts/smollm2-135m-instruct"  # written by `minedraft distill` (issue 4)
 DEFAULT_TRUNCATED_LAYERS = (0, 1, 2, 3)  # untrained fallback draft: the target's first layers
@@ -78,6 +80,10 @@ class StackConfig:
         max_num_batched_tokens: the coordinator's ``--max-num-batched-tokens`` (prompt tokens
             admitted between two steps; 0 = no limit). None: vLLM's defaults, 4096 on CPU and
             8192 on CUDA (``DEFAULT_BATCHED_TOKENS``).
+        engine: what runs the models in both engine services: ``native`` or ``vllm``
+            (``minedraft.engine_backend``); engine_python: the Python of vLLM engines ("" = found).
+        gpu_memory_utilization: vLLM verifier's share of its GPU (None: ``engine_backend``'s default).
+        enforce_eager: vLLM engines without torch.compile / CUDA graphs.
     """
 
     mode: str = "psd"
@@ -113,6 +119,10 @@ class StackConfig:
     max_prefill_tokens: int | None = None
     max_graph_prefill_tokens: int | None = None
     max_num_batched_tokens: int | None = None
+    engine: str = "native"
+    engine_python: str = ""
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         checks = {
@@ -138,7 +148,15 @@ class StackConfig:
                                          "max_prefill_tokens 0 or unset"),
             "max_num_batched_tokens": (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 0,
                                        "must be >= 0 (0 = no limit)"),
+            "engine": (self.engine in ENGINES, f"must be one of {ENGINES}"),
+            "gpu_memory_utilization": (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+                                       "must be in (0, 1]"),
         }
+        if self.engine == "vllm":
+            checks["data_plane"] = (self.data_plane == "inline", "must be inline with --engine vllm (only "
+                                    "draft token ids travel: vLLM's rejection sampler needs no draft probs)")
+            checks["max_prefill_tokens"] = (self.max_prefill_tokens is None and self.max_graph_prefill_tokens is None,
+                                            "the prefill flags are the native engine's (vLLM batches prefills itself)")
         for name in ("gateway_port", "coordinator_port", "drafter_port", "verifier_port", "dist_port"):
             checks[name] = (0 < getattr(self, name) <= 65535, "must be in [1, 65535]")
         for name, (is_ok, reason) in checks.items():
@@ -241,20 +259,25 @@ def verifier_spec(cfg: StackConfig, model_dir: str) -> ServiceSpec:
             "--device", cfg.placement.verifier_device()]
     if cfg.bench_fixed_acceptance is not None:
         args += ["--bench-fixed-acceptance", repr(cfg.bench_fixed_acceptance)]
+    if cfg.engine == "vllm":
+        args += vllm_service_args(cfg, "verifier", model_dir)
     env = cfg.placement.verifier_env()
-    if cfg.tensor_parallel_size > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    python = engine_python(cfg.engine, cfg.engine_python)
+    if cfg.tensor_parallel_size > 1 and cfg.engine == "native":
+        launcher = [python, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc-per-node={cfg.tensor_parallel_size}"]
         return ServiceSpec("verifier", [*launcher, *args], f"{cfg.host}:{cfg.verifier_port}", env=env,
                            is_cuda_mps=cfg.cuda_mps)
-    return ServiceSpec("verifier", [sys.executable, *args], f"{cfg.host}:{cfg.verifier_port}",
+    return ServiceSpec("verifier", [python, *args], f"{cfg.host}:{cfg.verifier_port}",
                        _pinned(cfg, VERIFIER_CPU), env, cfg.cuda_mps)
 
 
 def drafter_spec(cfg: StackConfig, model_dir: str, draft_dir: str) -> ServiceSpec:
     """Drafter: pinned to core 1 with one thread."""
-    argv = [sys.executable, "-m", "drafter_svc", "--draft", draft_dir, "--model", model_dir,
+    argv = [engine_python(cfg.engine, cfg.engine_python), "-m", "drafter_svc", "--draft", draft_dir, "--model", model_dir,
             *_engine_args(cfg, cfg.drafter_port, cfg.num_engine_threads), "--device", cfg.placement.drafter_device()]
+    if cfg.engine == "vllm":
+        argv += vllm_service_args(cfg, "drafter", draft_dir)
     cpus = _pinned(cfg, DRAFTER_CPU)
     return ServiceSpec("drafter", argv, f"{cfg.host}:{cfg.drafter_port}", cpus, cfg.placement.drafter_env(),
                        cfg.cuda_mps)

@@ -103,7 +103,7 @@ class DraftWorker(Worker):
         bad = [rid for rid, (_, ids) in zip(request_ids, committed) if any(not 0 <= t < vocab_size for t in ids)]
         if bad:  # checked before any state changes: a failed catch-up would leave the KV behind kv_token_ids
             raise ValueError(f"committed token ids of {bad} must lie in [0, {vocab_size})")
-        sequences = [_merge(s.committed, start, ids) for s, (start, ids) in zip(states, committed)]
+        sequences = [merge_committed(s.committed, start, ids) for s, (start, ids) in zip(states, committed)]
         too_long = [r for r, seq, k_i in zip(request_ids, sequences, ks) if not self.can_draft(len(seq), k_i)]
         if too_long:
             raise DraftCapacityError(too_long, self.max_model_len)
@@ -183,7 +183,7 @@ def _stack_ragged(steps: list[tuple[list[int], torch.Tensor]], batch_size: int) 
     return out
 
 
-def _merge(known: list[int], start: int, token_ids: list[int]) -> list[int]:
+def merge_committed(known: list[int], start: int, token_ids: list[int]) -> list[int]:
     """``known[:start] + token_ids``, checking that ``start`` lies inside what is known."""
     if not 0 <= start <= len(known):
         raise ValueError(f"start_position {start} outside the known committed length {len(known)}")

@@ -15,6 +15,7 @@ preset               arch        hidden  layers  heads  kv heads  intermediate  
 ``qwen3-0.6b``       Qwen3       1024    28      16     8         3072          128
 ``tiny-llama``       Llama       64      2       4      2         128           16
 ``tiny-qwen3``       Qwen3       64      2       4      2         128           16
+``tiny-llama-hd64``  Llama       128     2       2      1         256           64
 ===================  ==========  ======  ======  =====  ========  ============  ========
 
 ``llama-8b`` is the Llama-3-8B shape with SmolLM2's vocab (7.38e9 parameters, 14.8 GB in bf16);
@@ -87,6 +88,8 @@ PRESETS: dict[str, RandomPreset] = {
     "qwen3-0.6b": RandomPreset("qwen3", 1024, 28, 16, 8, 3072, 128, True, 1000000.0),
     "tiny-llama": RandomPreset("llama", 64, 2, 4, 2, 128, 16, True, 10000.0),
     "tiny-qwen3": RandomPreset("qwen3", 64, 2, 4, 2, 128, 16, True, 10000.0),
+    # head_dim 64: the smallest head vLLM's CPU attention kernels take (the vLLM backend's tests)
+    "tiny-llama-hd64": RandomPreset("llama", 128, 2, 2, 1, 256, 64, True, 10000.0),
 }
 
 

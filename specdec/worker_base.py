@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from opentelemetry import trace
 
+from specdec.engine_api import EngineFacts, runner_facts
 from specdec.errors import CapacityError
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams, make_generator
@@ -148,6 +149,10 @@ class Worker:
         if len(set(request_ids)) != len(request_ids):
             raise ValueError(f"request_ids must be distinct, got {request_ids}")
         return [self._requests[r] for r in request_ids]
+
+    def facts(self) -> EngineFacts:
+        """What ``EngineInfo`` reports of this worker's engine (``specdec.engine_api``)."""
+        return runner_facts(self.runner)
 
     def release(self, request_id: str) -> None:
         """Free the request's KV slot. Raises KeyError if the request is not active."""

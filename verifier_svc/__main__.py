@@ -1,7 +1,10 @@
 """``python -m verifier_svc``: the target-model gRPC service (minedraft.v1.Verifier, port 50054).
 
-Tensor parallel: ``torchrun --nproc-per-node N -m verifier_svc ...``; every rank loads its shard
-(``tp_plan="auto"``), rank 0 serves gRPC and broadcasts the commands (verifier_svc.tp).
+Tensor parallel, ``--engine native``: ``torchrun --nproc-per-node N -m verifier_svc ...``; every
+rank loads its shard (``tp_plan="auto"``), rank 0 serves gRPC and broadcasts the commands
+(verifier_svc.tp). ``--engine vllm``: one process, ``--tensor-parallel-size N`` (vLLM starts
+its own workers); ``--num-speculative-tokens`` is the largest k the coordinator sends (0: plain
+decoding only, as ``ar`` needs; specdec.vllm_backend).
 Start-up: bind and report NOT_SERVING -> load the model -> warm-up (add + verify + release of
 a dummy request, on every rank) -> SERVING. With ``--data-plane dist`` rank 0 joins the
 drafter's data-plane group on ``--dist-addr:--dist-port`` (specdec.dataplane); with ``ipc`` it
@@ -34,9 +37,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bench-fixed-acceptance", type=float, default=None, metavar="P",
                         help="BENCHMARK-ONLY: accept each draft token with probability P instead of "
                              "rejection sampling (changes the output distribution; specdec.fixed_acceptance)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="--engine vllm: vLLM's tensor parallelism (native: run under torchrun)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=8,
+                        help="--engine vllm: the largest k verified per request and step (0: decode only)")
     add_common_args(parser, DEFAULT_PORT)
     args = parser.parse_args(argv)
     check_common_args(parser, args)
+    if args.engine == "vllm" and TPContext.from_env().is_distributed:
+        parser.error("--engine vllm runs tensor parallelism itself: use --tensor-parallel-size, not torchrun")
+    if args.engine == "native" and args.tensor_parallel_size != 1:
+        parser.error("--tensor-parallel-size is for --engine vllm; the native engine runs TP under torchrun")
     if args.bench_fixed_acceptance is not None:
         from minedraft.bench_only import check_acceptance_prob
 
@@ -49,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def load_engine(args: argparse.Namespace, ctx: TPContext):
     """Build this rank's ``VerifierEngine`` (blocking: loads the model, joins the TP group)."""
+    if args.engine == "vllm":
+        return _load_vllm_engine(args)
     from specdec.config import CacheConfig, ModelConfig
     from specdec.runner import ModelRunner
     from specdec.worker import TargetWorker
@@ -66,6 +79,21 @@ def load_engine(args: argparse.Namespace, ctx: TPContext):
                           fixed_acceptance=_fixed_acceptance(args))
     channel = CommandChannel(device) if ctx.is_distributed else None
     return VerifierEngine(worker, channel, _probs_client(args, ctx, device), seed=args.seed)
+
+
+def _load_vllm_engine(args: argparse.Namespace):
+    """``VerifierEngine`` over ``VllmTargetWorker`` (draft probs are not needed: no data plane)."""
+    from drafter_svc.engine_service import vllm_engine_config
+    from specdec.vllm_backend.models import resolve_vllm_model
+    from specdec.vllm_backend.target import VllmTargetWorker
+    from verifier_svc.engine import VerifierEngine
+
+    fixed = _fixed_acceptance(args)
+    model_dir, load_format = resolve_vllm_model(args.model)
+    cfg = vllm_engine_config(args, model_dir, load_format, tensor_parallel_size=args.tensor_parallel_size,
+                             num_speculative_tokens=args.num_speculative_tokens,
+                             fixed_acceptance=None if fixed is None else fixed.acceptance_prob)
+    return VerifierEngine(VllmTargetWorker(cfg), seed=args.seed)
 
 
 def _fixed_acceptance(args: argparse.Namespace):
@@ -106,7 +134,8 @@ async def serve(args: argparse.Namespace, ctx: TPContext) -> None:
 
     server, health, port = await build_server(
         [SERVICE_NAME], ServerOptions(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes))
-    servicer = VerifierServicer(_served_name(args), DATA_PLANE_NAMES[args.data_plane], ctx.world_size)
+    tp_size = args.tensor_parallel_size if args.engine == "vllm" else ctx.world_size
+    servicer = VerifierServicer(_served_name(args), DATA_PLANE_NAMES[args.data_plane], tp_size)
     from minedraft.v1 import engine_pb2_grpc  # here: load_engine (bench, TP checks) needs no gRPC stubs
 
     engine_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
@@ -117,8 +146,8 @@ async def serve(args: argparse.Namespace, ctx: TPContext) -> None:
         servicer.attach(engine)
         await servicer.executor.run(servicer.warm_up)
         await health.set_serving()
-        logger.info("verifier SERVING %s on %s:%d (TP=%d, data plane %s)",
-                    args.model, args.host, port, ctx.world_size, args.data_plane)
+        logger.info("verifier SERVING %s on %s:%d (engine %s, TP=%d, data plane %s)",
+                    args.model, args.host, port, args.engine, tp_size, args.data_plane)
         await serve_until_signal(server, health, args.grace_s)
     finally:
         await servicer.executor.run(_close, engine)

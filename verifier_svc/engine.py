@@ -50,7 +50,7 @@ class VerifierEngine:
 
     @property
     def vocab_size(self) -> int:
-        return self.worker.runner.vocab_size
+        return self.worker.facts().vocab_size
 
     def _broadcast(self, kind: int, message=None, probs: torch.Tensor | None = None) -> None:
         if self.channel is not None:
@@ -92,7 +92,7 @@ class VerifierEngine:
             raise KeyError(f"unknown request ids: {unknown}")
         draft_ids = self._draft_token_ids(request, len(ids))
         ks = _row_ks(request, len(ids), draft_ids.shape[1])
-        _check_draft_ids(ids, draft_ids, ks, self.worker.runner.input_vocab_size)
+        _check_draft_ids(ids, draft_ids, ks, self.worker.facts().input_vocab_size)
         start = time.perf_counter()
         with _tracer.start_as_current_span("verifier.data_plane_receive"):  # + broadcast to TP ranks
             probs = self._draft_probs(request, plane, ids, draft_ids, ks)

@@ -44,8 +44,8 @@ class VerifierServicer(engine_pb2_grpc.VerifierServicer):
         self.engine = engine
 
     def warm_up(self) -> None:
-        """Add a dummy request, verify k sampled drafts with uniform probs, release it (span
-        ``verifier.warm_up``)."""
+        """Add a dummy request, verify k sampled drafts with uniform probs (k = 2, or the engine's
+        largest k when smaller; 0: one decode step), release it (span ``verifier.warm_up``)."""
         with _tracer.start_as_current_span("verifier.warm_up"):
             self._warm_up()
 
@@ -55,12 +55,13 @@ class VerifierServicer(engine_pb2_grpc.VerifierServicer):
         prompt = list(range(1, 1 + WARMUP_NUM_TOKENS))
         self.engine.add(engine_pb2.AddRequestsRequest(
             seqs=[engine_pb2.SeqInit(request_id=WARMUP_REQUEST_ID, prompt_token_ids=prompt, sampling=sampling)]))
+        k = min(WARMUP_K, getattr(self.engine.worker, "max_num_draft_tokens", WARMUP_K))
         try:
-            request = engine_pb2.VerifyRequest(
-                request_ids=[WARMUP_REQUEST_ID],
-                draft_token_ids=tensor_to_proto(torch.tensor([prompt[:WARMUP_K]], dtype=torch.int32)),
-                draft_probs=tensor_to_proto(torch.full((1, WARMUP_K, vocab), 1.0 / vocab)),
-                has_draft_probs=True, data_plane=engine_pb2.DATA_PLANE_INLINE)
+            request = engine_pb2.VerifyRequest(request_ids=[WARMUP_REQUEST_ID], data_plane=engine_pb2.DATA_PLANE_INLINE)
+            if k > 0:
+                request.draft_token_ids.CopyFrom(tensor_to_proto(torch.tensor([prompt[:k]], dtype=torch.int32)))
+                request.draft_probs.CopyFrom(tensor_to_proto(torch.full((1, k, vocab), 1.0 / vocab)))
+                request.has_draft_probs = True
             self.engine.verify(request, engine_pb2.DATA_PLANE_INLINE)
         finally:
             self.engine.release(engine_pb2.ReleaseRequest(request_ids=[WARMUP_REQUEST_ID]))
@@ -98,5 +99,5 @@ class VerifierServicer(engine_pb2_grpc.VerifierServicer):
 
     async def GetInfo(self, request, context):
         await self._check_ready(context)
-        return engine_info(self.engine.worker.runner, self.model_name, set(self.engine.request_ids),
+        return engine_info(self.engine.worker.facts(), self.model_name, set(self.engine.request_ids),
                            self.tensor_parallel_size)

@@ -1,0 +1,190 @@
+"""``VllmDraftWorker``: the draft model on vLLM, behind the drafter's engine seam.
+
+The same contract as ``specdec.draft_worker.DraftWorker`` (``specdec.engine_api.DraftEngine``):
+``add_requests`` admits requests, ``draft`` catches up on the tokens the verifier committed and
+drafts k_i tokens for the named batch, ``release`` forgets a request.
+
+Underneath, each ``draft`` call asks vLLM for k_i new tokens of every row's committed sequence
+(one short-lived vLLM request per row, ``max_tokens = k_i``) and steps the engine until all
+rows are done. vLLM's automatic prefix caching keeps every committed prefix's KV blocks, so the
+catch-up computes only the last partial block and the newly committed tokens, then k_i - 1
+decode steps follow: the work of a drafter with its own resident KV, on vLLM's kernels and
+CUDA graphs. ``add_requests`` prefills each prompt once so that the prompt's KV is cached
+before the request's first draft.
+
+Draft tokens are sampled with the request's temperature / top-k / top-p / min-p; a seeded
+request gets a seed per draft call derived from its seed and its committed length, so a seeded
+run is reproducible. Draft probabilities are not returned (``None``): vLLM's rejection sampler
+needs none, and the native verifier then treats q as the one-hot of each draft token, which
+stays lossless (``specdec.rejection``).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from specdec.draft_worker import merge_committed
+from specdec.engine_api import EngineFacts
+from specdec.errors import CapacityError
+from specdec.sampling import SamplingParams
+from specdec.vllm_backend.engine import VllmEngineConfig, build_engine, to_vllm_sampling
+from specdec.vllm_backend.outputs import collect_step, engine_facts
+from specdec.worker_base import DraftCapacityError
+
+_SEED_BITS = 63
+_SEED_MIX = 0x9E3779B97F4A7C15   # golden-ratio constant: decorrelates per-call draft seeds
+MAX_DRAFT_STEPS_SLACK = 64       # engine steps beyond k allowed for chunked catch-ups
+
+
+@dataclass
+class _DraftRequest:
+    committed: list[int]
+    params: SamplingParams
+    seed: int
+
+
+class VllmDraftWorker:
+    """Draft-model worker on an in-process vLLM engine (see module docstring).
+
+    Args:
+        cfg: the engine settings (``enable_prefix_caching`` must be on).
+        target_vocab_size: the target's vocabulary (draft ids must lie below it; None: the draft's).
+        seed: seeds the per-request seeds of unseeded requests (None: random).
+        engine: an engine built from ``cfg`` (tests share one); None builds it.
+
+    Raises:
+        ValueError: prefix caching off, or a draft vocabulary larger than ``target_vocab_size``.
+    """
+
+    def __init__(self, cfg: VllmEngineConfig, target_vocab_size: int | None = None, seed: int | None = None,
+                 engine=None) -> None:
+        if not cfg.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching: the vLLM drafter needs it on (its catch-up reuses cached KV)")
+        self.cfg = cfg
+        self.engine = engine if engine is not None else build_engine(cfg)
+        self._facts = engine_facts(self.engine, cfg)
+        if target_vocab_size is not None and target_vocab_size < self._facts.vocab_size:
+            raise ValueError(f"target_vocab_size={target_vocab_size} < draft vocab {self._facts.vocab_size}")
+        self._requests: dict[str, _DraftRequest] = {}
+        self._seed_source = random.Random(seed)
+        self._num_calls = 0
+
+    def facts(self) -> EngineFacts:
+        return self._facts.with_free_slots(self.cfg.max_num_seqs - len(self._requests))
+
+    def can_draft(self, num_committed_tokens: int, k: int) -> bool:
+        """Whether a sequence of that many committed tokens fits k more in ``max_model_len``."""
+        return num_committed_tokens + k <= self.cfg.max_model_len
+
+    def add_requests(self, items: list[tuple[str, list[int], SamplingParams]]) -> None:
+        """Admit ``(request id, prompt ids, params)`` requests and prefill their prompts into the
+        prefix cache; all or none.
+
+        Raises:
+            ValueError: a repeated or active id, an empty prompt, a token id out of range.
+            CapacityError: no free slot, or a prompt of ``max_model_len`` tokens or more.
+        """
+        ids = [rid for rid, _, _ in items]
+        if len(set(ids)) != len(ids) or any(rid in self._requests for rid in ids):
+            raise ValueError(f"request ids must be new and distinct, got {ids}")
+        if len(self._requests) + len(items) > self.cfg.max_num_seqs:
+            raise CapacityError(f"no free slot: {len(self._requests)} of {self.cfg.max_num_seqs} in use, "
+                                f"{len(items)} more asked")
+        for rid, prompt, _ in items:
+            if not prompt:
+                raise ValueError(f"prompt_token_ids of {rid!r} must not be empty")
+            if not self.can_draft(len(prompt), 1):
+                raise CapacityError(f"prompt of {rid!r} has {len(prompt)} tokens; max_model_len is {self.cfg.max_model_len}")
+            self._check_ids(rid, prompt)
+        new = {rid: _DraftRequest(list(prompt), params, self._request_seed(params)) for rid, prompt, params in items}
+        self._generate({rid: (req.committed, req.params, 1, req.seed) for rid, req in new.items()})
+        self._requests.update(new)
+
+    def _request_seed(self, params: SamplingParams) -> int:
+        return params.seed if params.seed is not None else self._seed_source.getrandbits(_SEED_BITS)
+
+    def _check_ids(self, request_id: str, token_ids: list[int]) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self._facts.input_vocab_size]
+        if bad:
+            raise ValueError(f"token ids of {request_id!r} must lie in [0, {self._facts.input_vocab_size}), got {bad[:8]}")
+
+    def draft(self, request_ids: list[str], committed: list[tuple[int, list[int]]],
+              k: int | list[int]) -> tuple[list[list[int]], None]:
+        """Catch up on the committed sequences, then draft k_i tokens per request.
+
+        Args:
+            request_ids: b admitted requests.
+            committed: b pairs ``(start_position, token_ids)``: the committed sequence from
+                ``start_position`` on (``start_position`` within what earlier calls gave).
+            k: draft tokens per request (>= 0): one for all, or b values k_i.
+
+        Returns:
+            (b rows of k_i draft token ids, None: no draft probabilities).
+
+        Raises:
+            KeyError: unknown request. ValueError: bad ``committed`` or ``k`` (no state changes).
+            DraftCapacityError: a sequence would pass ``max_model_len`` (no state changes).
+        """
+        missing = [rid for rid in request_ids if rid not in self._requests]
+        if missing:
+            raise KeyError(f"unknown request ids: {missing}")
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError(f"request_ids must be distinct, got {request_ids}")
+        states = [self._requests[rid] for rid in request_ids]
+        ks = [k] * len(states) if isinstance(k, int) else list(k)
+        if min(ks, default=0) < 0 or len(committed) != len(states) or len(ks) != len(states):
+            raise ValueError(f"need k >= 0 and one committed entry and k per request, got k={k}, "
+                             f"{len(committed)} entries for {len(states)} requests")
+        for rid, (_, ids) in zip(request_ids, committed):
+            self._check_ids(rid, ids)
+        sequences = [merge_committed(s.committed, start, ids) for s, (start, ids) in zip(states, committed)]
+        too_long = [rid for rid, seq, k_i in zip(request_ids, sequences, ks) if not self.can_draft(len(seq), k_i)]
+        if too_long:
+            raise DraftCapacityError(too_long, self.cfg.max_model_len)
+        for state, sequence in zip(states, sequences):
+            state.committed = sequence
+        jobs = {rid: (s.committed, s.params, k_i, _call_seed(s.seed, len(s.committed)))
+                for rid, s, k_i in zip(request_ids, states, ks) if k_i > 0}
+        drafted = self._generate(jobs) if jobs else {}
+        return [drafted.get(rid, []) for rid in request_ids], None
+
+    def _generate(self, jobs: dict[str, tuple[list[int], SamplingParams, int, int]]) -> dict[str, list[int]]:
+        """{request id: the ``n`` tokens vLLM samples after ``tokens``} for ``jobs`` of
+        (tokens, params, n, seed), all in one engine run; aborted again on failure."""
+        self._num_calls += 1
+        names = {f"{rid}@draft{self._num_calls}": rid for rid in jobs}
+        tokens: dict[str, list[int]] = {rid: [] for rid in jobs}
+        vllm_ids = []
+        try:
+            for name, rid in names.items():
+                prompt, params, n, seed = jobs[rid]
+                vllm_ids.append(self.engine.add_request(name, {"prompt_token_ids": prompt},
+                                                        to_vllm_sampling(params, n, seed=seed)))
+            pending = set(names)
+            for _ in range(max(n for _, _, n, _ in jobs.values()) + MAX_DRAFT_STEPS_SLACK):
+                for name, output in collect_step(self.engine.step()).items():
+                    tokens[names[name]] += output.token_ids
+                    if output.finish_reason is not None:
+                        pending.discard(name)
+                if not pending:
+                    return tokens
+            raise RuntimeError(f"vLLM drafting did not finish: {sorted(pending)}")
+        except BaseException:
+            if vllm_ids:
+                self.engine.abort_request(vllm_ids, internal=True)
+            raise
+
+    def release(self, request_id: str) -> None:
+        """Forget the request (its cached prefix blocks age out of vLLM's prefix cache).
+        Raises KeyError for an unknown id."""
+        del self._requests[request_id]
+
+    @property
+    def num_active(self) -> int:
+        return len(self._requests)
+
+
+def _call_seed(seed: int, num_committed: int) -> int:
+    """The seed of one draft call: a function of the request's seed and its committed length."""
+    return (seed ^ (num_committed * _SEED_MIX)) % (1 << _SEED_BITS)

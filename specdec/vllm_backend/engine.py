@@ -1,0 +1,196 @@
+"""The vLLM engine behind the MineDraft engine services: configuration, construction, stepping.
+
+One ``vllm.v1.engine.llm_engine.LLMEngine`` per service process, with its engine core in the
+same process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that the service's single engine thread
+drives it step by step (``add_request``, ``step``, ``abort_request``: vLLM's public offline
+API) and can name the batch of each step to ``PsdScheduler`` (``scheduler_config.
+scheduler_cls``). Tensor parallelism is vLLM's own (``tensor_parallel_size``: vLLM starts its
+worker processes); the paged KV cache, CUDA graphs and kernels are vLLM's.
+
+Speculative decoding in the target engine: ``speculative_config`` method ``custom_class`` with
+``ExternalDraftProposer`` (the drafts come from our drafter), vLLM's rejection sampler, or
+its benchmark-only ``rejection_sample_method="synthetic"`` for ``--bench-fixed-acceptance P``
+(per-position unconditional acceptance rates P, P^2, ..., P^k: the same process as
+``specdec.fixed_acceptance``, each draft token accepted with probability P given its
+predecessors were).
+
+Capacity: the KV cache must hold ``max_num_seqs x max_model_len`` tokens (``check_kv_capacity``
+at start-up, ``CapacityError`` otherwise), so that PSD's paused batch never loses its KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from specdec.errors import CapacityError
+from specdec.sampling import TOP_K_OFF, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER_CLS = "specdec.vllm_backend.scheduler.PsdScheduler"
+PROPOSER_CLS = "specdec.vllm_backend.proposer.ExternalDraftProposer"
+DEVICES = ("cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy", "safetensors")
+_ENV_DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # engine core in this process: we step it ourselves
+    "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",      # flashinfer is not installed on the GPU host
+    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+@dataclass(frozen=True)
+class VllmEngineConfig:
+    """Settings of one vLLM engine (target or draft).
+
+    Attributes:
+        model: local Hugging Face model dir (config.json; weights unless ``load_format`` is dummy).
+        device: ``cpu`` (vLLM's CPU build) or ``cuda`` (the GPUs in ``CUDA_VISIBLE_DEVICES``).
+        dtype: ``float32``, ``bfloat16`` or ``float16``.
+        max_num_seqs: requests resident at once (KV slots).
+        max_model_len: tokens (prompt + output) per request.
+        tensor_parallel_size: vLLM's TP degree (target only).
+        num_speculative_tokens: k of the target's speculative config (0: no speculation; the
+            engine then only decodes, as ``ar`` needs).
+        fixed_acceptance: BENCHMARK-ONLY: accept each draft token with this probability (vLLM's
+            synthetic rejection sampler); None: vLLM's lossless rejection sampler.
+        load_format: ``auto`` (weights from ``model``) or ``dummy`` (random weights of its shape).
+        gpu_memory_utilization: fraction of the GPU this engine may take (weights + KV + graphs).
+        kv_cache_space_gib: CPU only: KV cache size (vLLM's ``kv_cache_memory_bytes``).
+        enforce_eager: no CUDA graphs / torch.compile (faster start, slower steps).
+        enable_prefix_caching: vLLM's automatic prefix caching (the drafter relies on it).
+        max_num_batched_tokens: tokens per engine step (None: ``max(max_model_len,
+            max_num_seqs * (k + 1))``, so one step holds a whole verify batch or a whole prompt).
+        seed: vLLM's global seed (requests carry their own seeds).
+    """
+
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_num_seqs: int = 16
+    max_model_len: int = 2048
+    tensor_parallel_size: int = 1
+    num_speculative_tokens: int = 0
+    fixed_acceptance: float | None = None
+    load_format: str = "auto"
+    gpu_memory_utilization: float = 0.85
+    kv_cache_space_gib: float = 1.0
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = {
+            "device": (self.device in DEVICES, f"must be one of {DEVICES}"),
+            "dtype": (self.dtype in ("float32", "bfloat16", "float16"), "must be float32, bfloat16 or float16"),
+            "max_num_seqs": (self.max_num_seqs >= 1, "must be >= 1"),
+            "max_model_len": (self.max_model_len >= 2, "must be >= 2"),
+            "tensor_parallel_size": (self.tensor_parallel_size >= 1, "must be >= 1"),
+            "num_speculative_tokens": (self.num_speculative_tokens >= 0, "must be >= 0"),
+            "fixed_acceptance": (self.fixed_acceptance is None
+                                 or (0.0 <= self.fixed_acceptance <= 1.0 and self.num_speculative_tokens > 0),
+                                 "must be in [0, 1] and needs num_speculative_tokens > 0"),
+            "load_format": (self.load_format in LOAD_FORMATS, f"must be one of {LOAD_FORMATS}"),
+            "gpu_memory_utilization": (0.0 < self.gpu_memory_utilization <= 1.0, "must be in (0, 1]"),
+            "kv_cache_space_gib": (self.kv_cache_space_gib > 0, "must be > 0"),
+            "max_num_batched_tokens": (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+                                       "must be >= 1"),
+        }
+        for name, (is_ok, reason) in checks.items():
+            if not is_ok:
+                raise ValueError(f"{name}: {reason}, got {getattr(self, name)!r}")
+
+    @property
+    def batched_tokens(self) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return max(self.max_model_len, self.max_num_seqs * (self.num_speculative_tokens + 1))
+
+    def speculative_config(self) -> dict | None:
+        """vLLM's ``speculative_config`` (None without speculation)."""
+        if self.num_speculative_tokens == 0:
+            return None
+        config = {"method": "custom_class", "model": PROPOSER_CLS,
+                  "num_speculative_tokens": self.num_speculative_tokens}
+        if self.fixed_acceptance is not None:
+            p = self.fixed_acceptance
+            config.update(rejection_sample_method="synthetic",
+                          synthetic_acceptance_rates=[p ** i for i in range(1, self.num_speculative_tokens + 1)])
+        return config
+
+
+def build_engine(cfg: VllmEngineConfig):
+    """An in-process ``LLMEngine`` for ``cfg`` with ``PsdScheduler`` (blocking: loads the model,
+    profiles memory, captures CUDA graphs).
+
+    Raises:
+        CapacityError: the KV cache vLLM could allocate holds fewer than ``max_num_seqs x
+            max_model_len`` tokens (``check_kv_capacity``).
+        ImportError: vLLM is not installed in this Python.
+    """
+    for name, value in _ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    from vllm import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    args = EngineArgs(
+        model=cfg.model, skip_tokenizer_init=True, dtype=cfg.dtype, seed=cfg.seed,
+        max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.batched_tokens, tensor_parallel_size=cfg.tensor_parallel_size,
+        load_format=cfg.load_format, enforce_eager=cfg.enforce_eager,
+        enable_prefix_caching=cfg.enable_prefix_caching, scheduler_cls=SCHEDULER_CLS,
+        speculative_config=cfg.speculative_config(), async_scheduling=False, disable_log_stats=True,
+        **({"gpu_memory_utilization": cfg.gpu_memory_utilization} if cfg.device == "cuda"
+           else {"kv_cache_memory_bytes": int(cfg.kv_cache_space_gib * 2**30)}))
+    engine = LLMEngine.from_engine_args(args)
+    check_kv_capacity(engine, cfg)
+    return engine
+
+
+def scheduler_of(engine):
+    """The engine core's ``PsdScheduler`` (the engine core runs in this process)."""
+    from specdec.vllm_backend.scheduler import PsdScheduler
+
+    scheduler = engine.engine_core.engine_core.scheduler
+    if not isinstance(scheduler, PsdScheduler):
+        raise RuntimeError(f"expected PsdScheduler in the engine core, got {type(scheduler).__name__}")
+    return scheduler
+
+
+def kv_cache_tokens(engine) -> int:
+    """Tokens the engine's paged KV cache holds (blocks x block size)."""
+    cache = engine.vllm_config.cache_config
+    return int(cache.num_gpu_blocks) * int(cache.block_size)
+
+
+def check_kv_capacity(engine, cfg: VllmEngineConfig) -> None:
+    """Raise ``CapacityError`` (at start-up, never mid-traffic) unless the KV cache holds every
+    resident request at full length: ``max_num_seqs x max_model_len`` tokens, plus one block per
+    request for vLLM's lookahead slots of the draft tokens."""
+    block = int(engine.vllm_config.cache_config.block_size)
+    blocks_per_seq = -(-(cfg.max_model_len + cfg.num_speculative_tokens) // block)
+    needed = cfg.max_num_seqs * blocks_per_seq * block
+    have = kv_cache_tokens(engine)
+    if have < needed:
+        raise CapacityError(f"vLLM KV cache holds {have} tokens, max_num_seqs={cfg.max_num_seqs} x max_model_len="
+                            f"{cfg.max_model_len} needs {needed}: lower --max-num-seqs / --max-model-len or give "
+                            "it more memory (--gpu-memory-utilization, or --kv-cache-space-gib on CPU)")
+
+
+def to_vllm_sampling(params: SamplingParams, max_tokens: int, seed: int | None = None):
+    """vLLM ``SamplingParams`` of an engine request: the same temperature / top-k / top-p / min-p
+    and seed, EOS and stop handling off (the coordinator finishes requests), ``max_tokens``
+    output tokens, token ids only (no detokenizer), deltas per step, and the sampled token's
+    raw logprob plus ``params.logprobs`` top logprobs (vLLM's ``raw_logprobs``: log-softmax of
+    the unprocessed logits, as ``specdec.worker_base.StepOutput`` defines them)."""
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return VllmSamplingParams(
+        n=1, temperature=params.temperature, top_k=0 if params.top_k == TOP_K_OFF else params.top_k,
+        top_p=params.top_p, min_p=params.min_p, seed=params.seed if seed is None else seed,
+        max_tokens=max_tokens, ignore_eos=True, logprobs=params.logprobs, detokenize=False,
+        skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)

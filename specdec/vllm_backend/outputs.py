@@ -1,0 +1,59 @@
+"""vLLM outputs -> the engine seam's types (``StepOutput``, ``EngineFacts``)."""
+
+from __future__ import annotations
+
+import math
+
+from specdec.engine_api import EngineFacts
+from specdec.worker_base import StepOutput
+
+
+def collect_step(request_outputs) -> dict:
+    """{request id (the one given to ``add_request``): ``CompletionOutput`` delta} of one
+    ``LLMEngine.step()``; requests without new tokens are absent."""
+    return {out.request_id: out.outputs[0] for out in request_outputs if out.outputs}
+
+
+def step_output(request_id: str, output, num_draft_tokens: int, num_top: int) -> StepOutput:
+    """``StepOutput`` of one request's step: the committed tokens (accepted drafts then one
+    recovered or bonus token), ``num_accepted = len - 1`` when drafts were verified, the raw
+    logprob of each token and its ``num_top`` most likely alternatives (vLLM's ranks)."""
+    token_ids = list(output.token_ids)
+    logprobs, top = [], []
+    for token_id, candidates in zip(token_ids, output.logprobs or [{}] * len(token_ids)):
+        chosen = candidates.get(token_id)
+        logprobs.append(chosen.logprob if chosen is not None else math.nan)
+        if num_top > 0:
+            ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in candidates.items() if lp.rank <= num_top)
+            top.append(([tid for _, tid, _ in ranked], [value for _, _, value in ranked]))
+    num_accepted = min(len(token_ids) - 1, num_draft_tokens) if num_draft_tokens else 0
+    return StepOutput(request_id, token_ids, num_accepted, logprobs, top)
+
+
+def engine_facts(engine, cfg) -> EngineFacts:
+    """What ``EngineInfo`` reports of a vLLM engine built from ``cfg``."""
+    model_config = engine.vllm_config.model_config
+    parallel = engine.vllm_config.parallel_config
+    hf = model_config.hf_config
+    eos = getattr(hf, "eos_token_id", None)
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+    dtype_bytes = 4 if cfg.dtype == "float32" else 2
+    per_token = (2 * model_config.get_num_layers(parallel) * model_config.get_num_kv_heads(parallel)
+                 * model_config.get_head_size() * dtype_bytes)
+    cache = engine.vllm_config.cache_config
+    vocab = int(model_config.get_vocab_size())
+    return EngineFacts(
+        vocab_size=vocab, input_vocab_size=vocab, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
+        num_free_slots=cfg.max_num_seqs, eos_token_ids=eos_ids, device=cfg.device, dtype=cfg.dtype,
+        weight_bytes=_weight_bytes(cfg.model, dtype_bytes) if cfg.load_format != "dummy" else 0,
+        kv_cache_bytes=int(cache.num_gpu_blocks) * int(cache.block_size) * per_token)
+
+
+def _weight_bytes(model_dir: str, dtype_bytes: int) -> int:
+    """Parameters in the dir's safetensors files x bytes per parameter (0 when there are none)."""
+    from minedraft.capacity import num_safetensors_params
+
+    try:
+        return num_safetensors_params(model_dir)[0] * dtype_bytes
+    except (OSError, ValueError):
+        return 0

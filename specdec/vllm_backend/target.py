@@ -1,0 +1,196 @@
+"""``VllmTargetWorker``: the target model on vLLM, behind the verifier's engine seam.
+
+The same contract as ``specdec.worker.TargetWorker`` (``specdec.engine_api.TargetEngine``):
+``add_requests`` prefills prompts and samples their first token, ``verify`` scores a named
+batch's draft tokens and commits the accepted tokens plus one recovered or bonus token,
+``release`` frees a request. Underneath, each request is one vLLM request kept resident for its
+whole life (``ignore_eos``, ``max_tokens`` up to the context window; the coordinator finishes it
+and releases it), and each call runs one ``PsdScheduler`` step on exactly the named requests:
+
+- accepted / recovered / bonus tokens are vLLM's (``vllm.v1.sample.rejection_sampler``):
+  accept draft d_i with probability min(1, p(d_i)/q(d_i)); without draft probabilities (our
+  case: vLLM's ``custom_class`` proposers pass none) q is the one-hot of d_i, i.e. accept with
+  probability p(d_i) and on rejection sample from p with d_i removed and renormalised, which is
+  lossless for any proposal (Leviathan et al. 2023, Theorem 1; DESIGN.md §9);
+- KV rollback past rejected positions is vLLM's (``num_computed_tokens``);
+- draft probabilities sent by the drafter are not needed and are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.engine_api import EngineFacts
+from specdec.errors import CapacityError
+from specdec.sampling import SamplingParams
+from specdec.vllm_backend.engine import VllmEngineConfig, build_engine, kv_cache_tokens, scheduler_of, to_vllm_sampling
+from specdec.vllm_backend.outputs import collect_step, engine_facts, step_output
+from specdec.vllm_backend.scheduler import PsdStep
+
+MAX_PREFILL_STEPS = 64   # chunked prefill: steps until every new prompt has its first token
+
+
+@dataclass
+class _Resident:
+    vllm_id: str
+    params: SamplingParams
+    is_finished: bool = False   # vLLM ended it (context window); only release remains
+
+
+class VllmTargetWorker:
+    """Target-model worker on an in-process vLLM engine (see module docstring).
+
+    Args:
+        cfg: the engine settings (``num_speculative_tokens`` >= the largest k ever verified).
+        engine: an engine built from ``cfg`` (tests share one); None builds it.
+    """
+
+    def __init__(self, cfg: VllmEngineConfig, engine=None) -> None:
+        self.cfg = cfg
+        self.engine = engine if engine is not None else build_engine(cfg)
+        self.scheduler = scheduler_of(self.engine)
+        self.scheduler.set_step(PsdStep(frozenset()))   # between calls nothing may run
+        self._requests: dict[str, _Resident] = {}
+        self._facts = engine_facts(self.engine, cfg)
+
+    def facts(self) -> EngineFacts:
+        return self._facts.with_free_slots(self.cfg.max_num_seqs - len(self._requests))
+
+    @property
+    def max_num_draft_tokens(self) -> int:
+        """The largest k_i ``verify`` takes (the engine's ``num_speculative_tokens``)."""
+        return self.cfg.num_speculative_tokens
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def add_requests(self, items: list[tuple[str, list[int], SamplingParams]]):
+        """Prefill every prompt and sample its first token; all requests or none.
+
+        Args:
+            items: (request id, prompt token ids, sampling params with a seed) per request.
+
+        Returns:
+            One ``StepOutput`` per item (1 token, ``num_accepted`` 0), in order.
+
+        Raises:
+            ValueError: a repeated or already active id, an empty prompt, a token id out of range.
+            CapacityError: no free slot, or a prompt that leaves no room in ``max_model_len``.
+        """
+        ids = [rid for rid, _, _ in items]
+        if len(set(ids)) != len(ids) or any(rid in self._requests for rid in ids):
+            raise ValueError(f"request ids must be new and distinct, got {ids}")
+        if len(self._requests) + len(items) > self.cfg.max_num_seqs:
+            raise CapacityError(f"no free slot: {len(self._requests)} of {self.cfg.max_num_seqs} in use, "
+                                f"{len(items)} more asked")
+        for rid, prompt, _ in items:
+            self._check_prompt(rid, prompt)
+        added = {}
+        for rid, prompt, params in items:
+            vllm_id = self.engine.add_request(rid, {"prompt_token_ids": list(prompt)},
+                                              to_vllm_sampling(params, self.cfg.max_model_len - len(prompt)))
+            added[rid] = _Resident(vllm_id, params)
+        self._requests.update(added)
+        outputs = self._prefill(added)
+        return [step_output(rid, outputs[rid], 0, added[rid].params.logprobs) for rid in ids]
+
+    def _check_prompt(self, request_id: str, prompt: list[int]) -> None:
+        if not prompt:
+            raise ValueError(f"prompt_token_ids of {request_id!r} must not be empty")
+        if len(prompt) >= self.cfg.max_model_len:
+            raise CapacityError(f"prompt of {request_id!r} has {len(prompt)} tokens; max_model_len is "
+                                f"{self.cfg.max_model_len}")
+        bad = [t for t in prompt if not 0 <= t < self._facts.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids of {request_id!r} must lie in [0, {self._facts.vocab_size}), got {bad[:8]}")
+
+    def _prefill(self, added: dict[str, _Resident]) -> dict:
+        """Step the new requests alone until each has its first token (chunked prefill may take
+        several steps); on failure they are aborted again (all or nothing)."""
+        pending = dict(added)
+        outputs: dict = {}
+        try:
+            for _ in range(MAX_PREFILL_STEPS):
+                if not pending:
+                    return outputs
+                step = self._run(PsdStep(frozenset(s.vllm_id for s in pending.values())))
+                for rid, output in step.items():
+                    if rid in pending and output.token_ids:
+                        outputs[rid] = output
+                        del pending[rid]
+            raise RuntimeError(f"prefill did not finish in {MAX_PREFILL_STEPS} steps")
+        except BaseException:
+            for rid in added:
+                self.release(rid)
+            raise
+
+    def verify(self, request_ids: list[str], draft_token_ids: list[list[int]], draft_probs=None):
+        """One target step over ``request_ids``: row i verifies its k_i = ``len(draft_token_ids[i])``
+        draft tokens (0: plain decode) in one forward of k_i + 1 positions.
+
+        Args:
+            request_ids: b resident requests (the batch the coordinator names; others stay paused).
+            draft_token_ids: b rows of draft token ids, row i of length k_i <= ``num_speculative_tokens``.
+            draft_probs: ignored (see the module docstring); accepted for the seam's signature.
+
+        Returns:
+            b ``StepOutput``s of ``num_accepted + 1`` tokens each, in order.
+
+        Raises:
+            KeyError: an unknown request id. ValueError: rows and ids differ in number, a row
+            longer than ``num_speculative_tokens``. RuntimeError: the engine did not run a row.
+        """
+        states = self._states(request_ids)
+        if len(draft_token_ids) != len(states):
+            raise ValueError(f"draft_token_ids has {len(draft_token_ids)} rows for {len(states)} requests")
+        too_long = [len(row) for row in draft_token_ids if len(row) > self.cfg.num_speculative_tokens]
+        if too_long:
+            raise ValueError(f"draft_token_ids rows of {too_long} tokens exceed the engine's "
+                             f"num_speculative_tokens={self.cfg.num_speculative_tokens}")
+        finished = [rid for rid, s in zip(request_ids, states) if s.is_finished]
+        if finished:
+            raise CapacityError(f"requests {finished} reached max_model_len={self.cfg.max_model_len}")
+        step = PsdStep(frozenset(s.vllm_id for s in states),
+                       {s.vllm_id: list(row) for s, row in zip(states, draft_token_ids) if row})
+        outputs = self._run(step)
+        missing = [rid for rid in request_ids if rid not in outputs]
+        if missing:
+            raise RuntimeError(f"vLLM did not run {missing} in this step")
+        return [step_output(rid, outputs[rid], len(row), s.params.logprobs)
+                for rid, s, row in zip(request_ids, states, draft_token_ids)]
+
+    def _states(self, request_ids: list[str]) -> list[_Resident]:
+        missing = [rid for rid in request_ids if rid not in self._requests]
+        if missing:
+            raise KeyError(f"unknown request ids: {missing}")
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError(f"request_ids must be distinct, got {request_ids}")
+        return [self._requests[rid] for rid in request_ids]
+
+    def _run(self, step: PsdStep) -> dict:
+        """One engine step restricted to ``step``: {request id: ``CompletionOutput`` delta}."""
+        self.scheduler.set_step(step)
+        try:
+            outputs = collect_step(self.engine.step())
+        finally:
+            self.scheduler.set_step(PsdStep(frozenset()))
+        for rid, state in self._requests.items():
+            output = outputs.get(rid)
+            if output is not None and output.finish_reason is not None:
+                state.is_finished = True
+        return outputs
+
+    def release(self, request_id: str) -> None:
+        """Abort the vLLM request and free its KV blocks. Raises KeyError for an unknown id."""
+        state = self._requests.pop(request_id)
+        if not state.is_finished:
+            self.engine.abort_request([state.vllm_id], internal=True)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._requests)
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return kv_cache_tokens(self.engine)
