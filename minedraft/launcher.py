@@ -96,7 +96,12 @@ class Stack:
                 (``check_memory``; nothing is started then).
         """
         check_memory(self.cfg, model_dir, log)
-        self.add_services(build_service_specs(self.cfg, model_dir), log)
+        specs = build_service_specs(self.cfg, model_dir)
+        if self.cfg.engine == "vllm":  # vLLM sizes its KV cache from the free memory it sees: one at a time
+            engines, specs = specs[:-2], specs[-2:]
+            for spec in engines:
+                self.add_services([spec], log)
+        self.add_services(specs, log)
 
     def add_services(self, specs: list[ServiceSpec], log=print) -> None:
         """Start ``specs`` in this stack and wait until every service is SERVING; e.g. a coordinator

@@ -33,12 +33,13 @@ SCHEDULER_CLS = "specdec.vllm_backend.scheduler.PsdScheduler"
 PROPOSER_CLS = "specdec.vllm_backend.proposer.ExternalDraftProposer"
 DEVICES = ("cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
-_ENV_DEFAULTS = {
+ENV_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # engine core in this process: we step it ourselves
     "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
     "VLLM_USE_FLASHINFER_SAMPLER": "0",      # flashinfer is not installed on the GPU host
     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
 }
+CUDA_ENV_DEFAULTS = {"VLLM_ATTENTION_BACKEND": "FLASH_ATTN"}   # vLLM's bundled flash-attention (GPU host)
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,10 @@ class VllmEngineConfig:
             "tensor_parallel_size": (self.tensor_parallel_size >= 1, "must be >= 1"),
             "num_speculative_tokens": (self.num_speculative_tokens >= 0, "must be >= 0"),
             "fixed_acceptance": (self.fixed_acceptance is None
-                                 or (0.0 <= self.fixed_acceptance <= 1.0 and self.num_speculative_tokens > 0),
-                                 "must be in [0, 1] and needs num_speculative_tokens > 0"),
+                                 or (0.0 <= self.fixed_acceptance <= 1.0 and self.num_speculative_tokens > 0
+                                     and self.device == "cuda"),
+                                 "must be in [0, 1] and needs num_speculative_tokens > 0 and device cuda "
+                                 "(vLLM's synthetic rejection sampler has no CPU version)"),
             "load_format": (self.load_format in LOAD_FORMATS, f"must be one of {LOAD_FORMATS}"),
             "gpu_memory_utilization": (0.0 < self.gpu_memory_utilization <= 1.0, "must be in (0, 1]"),
             "kv_cache_space_gib": (self.kv_cache_space_gib > 0, "must be > 0"),
@@ -131,7 +134,7 @@ def build_engine(cfg: VllmEngineConfig):
             max_model_len`` tokens (``check_kv_capacity``).
         ImportError: vLLM is not installed in this Python.
     """
-    for name, value in _ENV_DEFAULTS.items():
+    for name, value in {**ENV_DEFAULTS, **(CUDA_ENV_DEFAULTS if cfg.device == "cuda" else {})}.items():
         os.environ.setdefault(name, value)
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
