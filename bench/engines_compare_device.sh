@@ -7,7 +7,8 @@
 # TABLE: paper  - Llama-3-8B-shape target, Qwen3-0.6B-shape draft, random weights, acceptance
 #                 fixed at 0.7 on both sides (ours --bench-fixed-acceptance, vLLM synthetic);
 #        smollm2 - the real SmolLM2-135M-Instruct target with our distilled draft, greedy.
-# Drafter and verifier share GPU 0 under CUDA MPS. Env: SYSTEMS, CONCURRENCIES, EXTRA override.
+# Drafter and verifier share GPU 0 under CUDA MPS. Env: SYSTEMS, CONCURRENCIES, EXTRA override;
+# SMOKE=1 first runs bench.vllm_backend_smoke (the backend's workers in-process, greedy sd = ar).
 set -u
 TABLE=${1:?TABLE: paper or smollm2}
 TOTAL_S=${2:-560}
@@ -18,13 +19,18 @@ export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}
 SITE=/root/site
 if [ ! -f $SITE/.installed ]; then
-  mkdir -p /root/stage/whl && cat /root/stage/part.* | tar x -C /root/stage/whl || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE /root/stage/whl/*.whl || exit 1
+  mkdir -p /root/stage/x && cat /root/stage/part.* | tar x -C /root/stage/x || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE /root/stage/x/whl/*.whl || exit 1
   touch $SITE/.installed
 fi
+[ -d drafts/smollm2-135m-instruct ] || cp -r /root/stage/x/drafts ./drafts   # staged: too big to travel with the tree
 export PYTHONPATH=$SITE:$PWD
 python3 -c 'import torch, vllm, transformers, grpc; print("torch", torch.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__, "grpc", grpc.__version__, "gpus", torch.cuda.device_count())' || exit 1
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
+mkdir -p "$OUT/$TABLE"
+rm -rf /root/cache/models/random-*   # written by an older checkout (before `architectures` was set)
+[ -z "${SMOKE:-}" ] || timeout 240 python3 -m bench.vllm_backend_smoke --device cuda --target random:smollm2-135m \
+    --draft random:smollm2-135m --enforce-eager 2>&1 | tee "$OUT/$TABLE/smoke.log" | grep -E "SMOKE|Error|error" | tail -20
 left() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
 case "$TABLE" in
   paper) ARGS="--target random:llama-8b --draft random:qwen3-0.6b --fixed-acceptance 0.7 --max-tokens 256"
@@ -36,7 +42,7 @@ esac
 python3 -m bench.engines_compare --out-dir "$OUT/$TABLE" --work-dir /tmp/work/$TABLE --device cuda --dtype bfloat16 \
     $ARGS --systems "$SYSTEMS" --concurrencies "${CONCURRENCIES:-1,4,16,32,64}" --k 4 --m 32 \
     --max-model-len 1024 --cuda-mps --drafter-gpu 0 --requests-per-client 2 --min-requests 4 --max-requests 128 \
-    --time-budget-s "$(( $(left) - 40 ))" ${EXTRA:-}
+    --data /root/stage/x/question.jsonl --time-budget-s "$(( $(left) - 40 ))" ${EXTRA:-}
 echo "engines_compare $TABLE done, $(left) s left"
 tar czf "$OUT/$TABLE/logs.tgz" -C /tmp/work/$TABLE logs 2>/dev/null
 ls -la "$OUT/$TABLE"

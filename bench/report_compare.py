@@ -75,13 +75,13 @@ def markdown(results: dict, cfg) -> str:
     for s in systems:
         lines.append(f"| {s} | " + " | ".join(_fmt(_tok_s(get[(s, c)])) if (s, c) in get else "-" for c in cs) + " |")
     lines += ["", "TTFT p50 / latency p50 (ms), mean acceptance length, step split (ms: draft / verify / wall):", "",
-              "| system | c | TTFT p50 | latency p50 | accept len | draft | verify | step wall | errors |",
+              "| system | c | TTFT p50 | latency p50 | accept len | draft | verify | step wall | failed requests |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         m, split = r["metrics"], r.get("step_split") or {}
         lines.append(f"| {r['system']} | {r['concurrency']} | {_fmt(m['ttft_ms_p50'], 0)} | {_fmt(m['latency_ms_p50'], 0)} "
                      f"| {_fmt(m['mean_acceptance_length'], 2)} | {_fmt(split.get('draft_ms'), 2)} "
-                     f"| {_fmt(split.get('verify_ms'), 2)} | {_fmt(split.get('wall_ms'), 2)} | {len(r['errors'])} |")
+                     f"| {_fmt(split.get('verify_ms'), 2)} | {_fmt(split.get('wall_ms'), 2)} | {m['num_errors']} |")
     lines += ["", "Ratios (tok/s):", "", "| c | best ours / best vLLM | ours / vllm-ar | psd / best vllm-sd |",
               "|---|---|---|---|"]
     for row in results["ratios"]:
@@ -89,9 +89,54 @@ def markdown(results: dict, cfg) -> str:
         psd = ", ".join(f"{n} {v:.2f}x ({row['best_vllm_sd']})" for n, v in row.get("psd_over_best_vllm_sd", {}).items())
         lines.append(f"| {row['concurrency']} | {row['best_ours']} / {row['best_vllm']} = "
                      f"{row['best_ours_over_best_vllm']:.2f}x | {over_ar} | {psd or '-'} |")
-    if results["greedy_vs_vllm_ar"]:
+    if cfg.fixed_acceptance is not None:
+        lines += ["", "Greedy outputs: with fixed acceptance only `ar` systems are comparable token for token "
+                      "(speculative outputs follow the benchmark-only acceptance, not the target):", ""]
+        lines += [f"- {g['system']} c={g['concurrency']}: {g['num_equal']}/{g['num_compared']} equal to vllm-ar"
+                  for g in results["greedy_vs_vllm_ar"] if g["system"].startswith("ar-")]
+    elif results["greedy_vs_vllm_ar"]:
         lines += ["", "Greedy outputs equal to vllm-ar's (same prompts, same concurrency):", ""]
         lines += [f"- {g['system']} c={g['concurrency']}: {g['num_equal']}/{g['num_compared']}"
                   for g in results["greedy_vs_vllm_ar"]]
     lines += [f"\n**FAILED** {f['system']}: `{f['error'][-500:]}`" for f in results["failures"]]
     return "\n".join(lines) + "\n"
+
+
+def merge(out_dir: str, result_files: list[str]) -> dict:
+    """One results set from several ``results.json`` of the same machine lease (systems run in
+    successive device calls): every measured run, each call's command and commit in ``meta``;
+    ratios and greedy checks recomputed. Writes ``out_dir/results.{json,md}``."""
+    import json
+    import os
+    from types import SimpleNamespace
+
+    parts = [json.load(open(path, encoding="utf-8")) for path in result_files]
+    outputs = {}
+    for path in result_files:
+        outputs_path = os.path.join(os.path.dirname(path), "outputs.json")
+        if os.path.isfile(outputs_path):
+            outputs.update(json.load(open(outputs_path, encoding="utf-8")))
+    runs = [r for p in parts for r in p["runs"] if "metrics" in r]
+    measured = {r["system"] for r in runs}   # a failure of a system that a later call measured is superseded
+    records = [{**r, "outputs": outputs.get(f"{r['system']}-c{r['concurrency']}", {})} for r in runs]
+    meta = {**parts[0]["meta"], "command": " ; ".join(p["meta"]["command"] for p in parts),
+            "calls": [{"date_utc": p["meta"]["date_utc"], "command": p["meta"]["command"],
+                       "git_commit": p["meta"]["git_commit"]} for p in parts]}
+    results = {"meta": meta, "runs": runs, "ratios": ratios_by_concurrency(records),
+               "greedy_vs_vllm_ar": [] if parts[0]["meta"]["config"]["temperature"] else greedy_vs_reference(records),
+               "failures": [f for p in parts for f in p["failures"]
+                            if not f["error"].startswith("skipped") and f["system"] not in measured]}
+    meta["superseded_failures"] = [f"{f['system']}: {f['error'][-300:]}" for p in parts for f in p["failures"]
+                                   if f["system"] in measured]
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(out_dir, "results.md"), "w", encoding="utf-8") as f:
+        f.write(markdown(results, SimpleNamespace(**parts[0]["meta"]["config"])))
+    return results
+
+
+if __name__ == "__main__":
+    import sys
+
+    merge(sys.argv[1], sys.argv[2:])   # python -m bench.report_compare OUT_DIR RESULTS_JSON...

@@ -213,7 +213,10 @@ def model_dir(model: str) -> str:
 def _write_dir(out_dir: str, model: str, preset: str, seed: int) -> None:
     from transformers import GenerationConfig
 
-    make_config(preset).save_pretrained(out_dir)
+    config = make_config(preset)
+    # the causal-LM class by name: vLLM picks its model class (and task: generation) from this field
+    config.architectures = ["LlamaForCausalLM" if PRESETS[preset].arch == "llama" else "Qwen3ForCausalLM"]
+    config.save_pretrained(out_dir)
     GenerationConfig(bos_token_id=SMOLLM2_BOS, eos_token_id=SMOLLM2_EOS,
                      pad_token_id=SMOLLM2_EOS).save_pretrained(out_dir)
     tokenizer_src = find_tokenizer_dir()

@@ -88,7 +88,7 @@ def _load_vllm_engine(args: argparse.Namespace):
     from specdec.vllm_backend.target import VllmTargetWorker
     from verifier_svc.engine import VerifierEngine
 
-    fixed = _fixed_acceptance(args)
+    fixed = _fixed_acceptance(args) if args.num_speculative_tokens > 0 else None  # ar: nothing to accept
     model_dir, load_format = resolve_vllm_model(args.model)
     cfg = vllm_engine_config(args, model_dir, load_format, tensor_parallel_size=args.tensor_parallel_size,
                              num_speculative_tokens=args.num_speculative_tokens,
