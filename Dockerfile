@@ -7,6 +7,9 @@
 FROM python:3.11-slim
 
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# --engine vllm (docker-compose MINEDRAFT_ENGINE=vllm): e.g. --build-arg VLLM_SPEC=vllm==0.24.0 on
+# the CUDA build (its wheel pins its own torch, which then replaces the one installed below)
+ARG VLLM_SPEC=
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 MINEDRAFT_CACHE=/cache
 
 WORKDIR /app
@@ -24,6 +27,7 @@ COPY verifier_svc ./verifier_svc
 COPY protos ./protos
 COPY README.md ./
 RUN pip install --no-deps --no-build-isolation -e .
+RUN if [ -n "$VLLM_SPEC" ]; then pip install "$VLLM_SPEC"; fi
 
 # gateway gRPC, gateway HTTP, coordinator, drafter, verifier rank 0, coordinator /metrics
 EXPOSE 50051 8000 50052 50053 50054 9090

@@ -5,7 +5,10 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: venv protos check-protos test demo up clean
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: venv vllm-venv protos check-protos test demo up clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -17,14 +20,23 @@ $(STAMP): requirements.txt pyproject.toml
 
 venv: $(STAMP)
 
+# vLLM's CPU build in its own venv (it pins its own transformers/fastapi): --engine vllm on CPU
+$(VLLM_STAMP): bench/setup_vllm.sh requirements-vllm.txt pyproject.toml
+	VENV=$(VLLM_VENV) bash bench/setup_vllm.sh
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
 protos: $(STAMP)
 	PYTHON=$(PY) scripts/gen_protos.sh
 
 check-protos: $(STAMP)
 	PYTHON=$(PY) scripts/gen_protos.sh --check
 
-test: $(STAMP) check-protos
-	$(PY) -m pytest -q tests
+# The suite in .venv, then the vLLM backend's in-process tests in .venv-vllm (tests/vllm_backend)
+test: $(STAMP) $(VLLM_STAMP) check-protos
+	$(PY) -m pytest -q tests --ignore=tests/vllm_backend
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_backend
 
 # Shared prompt data (CI lays it out next to the repo); override: make demo DATA=/path/to/data
 DATA ?= ../shared/data
@@ -45,4 +57,4 @@ up: $(STAMP)
 	$(VENV)/bin/minedraft up $(UP_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis  # runs/ (logs, demo results) stays
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis  # runs/ (logs, demo results) stays

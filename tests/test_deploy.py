@@ -33,3 +33,7 @@ def test_compose_has_every_service_and_gpu_split():
     assert services == {"jaeger", "verifier", "drafter", "coordinator", "gateway"}
     assert "--nproc-per-node 4" in text and "condition: service_healthy" in text
     assert "- '4'" in text or '- "4"' in text  # drafter on GPU 4
+    # engine backend switch: vLLM runs its own TP (no torchrun) and the inline plane in every service
+    flat = " ".join(text.split())  # config re-wraps long commands
+    assert "--engine vllm --tensor-parallel-size 4" in flat and 'drafter_svc --engine "$$MINEDRAFT_ENGINE"' in flat
+    assert flat.count('[ "$$MINEDRAFT_ENGINE" = vllm ] && PLANE=inline') == 2

@@ -149,6 +149,10 @@ def build_engine(cfg: VllmEngineConfig):
         **({"gpu_memory_utilization": cfg.gpu_memory_utilization} if cfg.device == "cuda"
            else {"kv_cache_memory_bytes": int(cfg.kv_cache_space_gib * 2**30)}))
     engine = LLMEngine.from_engine_args(args)
+    if cfg.device == "cpu":
+        from specdec.vllm_backend.cpu_fixes import fix_cpu_rejection_sampler
+
+        fix_cpu_rejection_sampler()
     check_kv_capacity(engine, cfg)
     return engine
 

@@ -1,0 +1,188 @@
+"""End to end on the vLLM engine backend: ``minedraft up --engine vllm`` as real processes.
+
+The engine services run in ``.venv-vllm`` (vLLM's CPU build; a missing venv fails these tests,
+``minedraft.engine_backend.engine_python``), the coordinator and gateway in this Python. Tiny
+random Llamas of head_dim 64 (vLLM's CPU attention needs >= 32), vocab 49152, with the SmolLM2
+tokenizer; the draft is the target with a little noise on its weights, so drafts are partly
+accepted. Two stack starts: ``ar`` (a plain vLLM decoding verifier, the reference) and ``psd``;
+``sd`` is a coordinator and gateway in front of the psd stack's engines (the engines are
+mode-agnostic, as ``bench/gpu_stack.py`` uses them). Checked: greedy psd and sd outputs equal
+ar's with more than 2m concurrent requests of different lengths; an abort mid-stream frees the
+slots of both engines; a stop token id inside an accepted block; seeded sampled requests repeat
+whatever shares the batch; the drafter killed mid-run falls back to ar and every stream completes
+with the ar output (last: it leaves the psd stack without a drafter).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from bench.gpu_stack import start_front
+from minedraft.client import GenerationResult, MineDraftClient, build_request
+from minedraft.engine_backend import engine_python
+from minedraft.launcher import Stack
+from test_e2e_faults import _generate
+from test_e2e_stack import M, MAX_MODEL_LEN, NUM_REQUESTS, _config, _engine_infos, _generate_all, _status, _wait_slots_free
+
+K = 3
+SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
+PROMPT_IDS = [[1, 500, 600, 700], [1, 42, 43], [1, 9000, 12, 13, 14], [1, 77], [1, 31, 32, 33, 34, 35]]
+KILL_TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """(target_dir, draft_dir): tiny head_dim-64 Llamas + the SmolLM2 tokenizer in each."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from conftest import _build_tiny_llama
+    from specdec.loader import packaged_gguf_path
+
+    assert os.path.isfile(engine_python("vllm"))  # ValueError (a failure, not a skip) without .venv-vllm
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(packaged_gguf_path()),
+                                              gguf_file=os.path.basename(packaged_gguf_path()))
+    dirs = []
+    for name, noise in (("target", 0.0), ("draft", 0.01)):
+        model = _build_tiny_llama(num_layers=2, vocab_size=49152, seed=0, max_position_embeddings=MAX_MODEL_LEN,
+                                  **SHAPE)
+        torch.manual_seed(7)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(noise * torch.randn_like(param))
+        path = str(tmp_path_factory.mktemp(name))
+        model.save_pretrained(path, safe_serialization=True)
+        tokenizer.save_pretrained(path)
+        dirs.append(path)
+    return tuple(dirs)
+
+
+def _vllm_config(mode: str, model_dirs, runs_dir: str):
+    return dataclasses.replace(_config(mode, *model_dirs, runs_dir), engine="vllm", enforce_eager=True,
+                               num_speculative_tokens=K)
+
+
+def _greedy_batch(stack: Stack, max_tokens: int) -> list[GenerationResult]:
+    """Six greedy requests at once (> 2m), prompt ids, ignore_eos."""
+    def one(i: int) -> GenerationResult:
+        return _generate(stack, PROMPT_IDS[i % len(PROMPT_IDS)], max_tokens=max_tokens, temperature=0,
+                         ignore_eos=True, request_id=f"batch-{i}")
+
+    with ThreadPoolExecutor(6) as pool:
+        return list(pool.map(one, range(6)))
+
+
+@pytest.fixture(scope="module")
+def ar_reference(model_dirs, tmp_path_factory):
+    """Outputs of a vLLM ``ar`` stack (verifier with no speculative config): the chat batch of
+    ``_generate_all`` and the batch of ``_greedy_batch(KILL_TOKENS)``."""
+    with Stack(_vllm_config("ar", model_dirs, str(tmp_path_factory.mktemp("runs")))) as stack:
+        stack.start(model_dirs[0], log=lambda line: None)
+        assert _status(stack.cfg).mode == "ar"
+        return {"chat": [r.token_ids for r in _generate_all(stack.cfg)],
+                "kill": [r.token_ids for r in _greedy_batch(stack, KILL_TOKENS)]}
+
+
+@pytest.fixture(scope="module")
+def psd_stack(model_dirs, tmp_path_factory):
+    with Stack(_vllm_config("psd", model_dirs, str(tmp_path_factory.mktemp("runs")))) as stack:
+        stack.start(model_dirs[0], log=lambda line: None)
+        yield stack
+
+
+def test_psd_output_equals_ar_at_temperature_0(ar_reference, psd_stack):  # ar's stack stops first
+    results, status = _generate_all(psd_stack.cfg), _status(psd_stack.cfg)
+    assert status.effective_mode == "psd" and status.num_parallel_steps > 0
+    assert 0 < status.num_accepted_tokens < status.num_draft_tokens   # drafts partly accepted
+    assert len(results) == NUM_REQUESTS > 2 * M and len({len(o) for o in ar_reference["chat"]}) > 1
+    assert [r.token_ids for r in results] == ar_reference["chat"]
+
+
+def test_sd_output_equals_ar_at_temperature_0(psd_stack, model_dirs, ar_reference, tmp_path):
+    front, cfg = start_front(psd_stack.cfg, "sd", model_dirs[0], str(tmp_path), log=lambda line: None)
+    try:
+        results, status = _generate_all(cfg), _status(cfg)
+    finally:
+        front.stop()
+    assert status.effective_mode == "sd" and status.num_draft_tokens > 0
+    assert sum(r.usage.num_drafts for r in results) > 0
+    assert [r.token_ids for r in results] == ar_reference["chat"]
+    _wait_slots_free(psd_stack.cfg)
+
+
+def test_abort_mid_stream_frees_the_slots_of_both_engines(psd_stack):
+    cfg = psd_stack.cfg
+    with MineDraftClient(f"{cfg.host}:{cfg.gateway_port}", timeout_s=120) as client:
+        stream = client.stream(build_request(prompt_token_ids=PROMPT_IDS[0], request_id="abort-me",
+                                             max_tokens=MAX_MODEL_LEN - 40, temperature=0, ignore_eos=True))
+        assert next(stream).WhichOneof("response") == "chunk"
+        assert all("abort-me" in info.request_ids for info in _engine_infos(cfg))
+        assert client.abort("abort-me") is True
+        final = [r for r in stream if r.WhichOneof("response") == "complete"]
+    assert final and final[0].complete.finish_reason == "abort"
+    for info in _wait_slots_free(cfg):
+        assert info.num_free_slots == info.max_num_seqs and list(info.request_ids) == [], info
+
+
+def _chunks(stack: Stack, prompt_ids: list[int], **sampling) -> tuple[list[list[int]], str]:
+    """Token ids of each streamed chunk (one engine step each) and the finish reason."""
+    with MineDraftClient(f"{stack.cfg.host}:{stack.cfg.gateway_port}", timeout_s=120) as client:
+        chunks, reason = [], ""
+        for response in client.stream(build_request(prompt_token_ids=prompt_ids, **sampling)):
+            if response.WhichOneof("response") == "chunk" and response.chunk.token_ids:
+                chunks.append(list(response.chunk.token_ids))
+            elif response.WhichOneof("response") == "complete":
+                reason = response.complete.finish_reason
+    return chunks, reason
+
+
+def test_stop_token_id_inside_an_accepted_block_ends_the_request_there(psd_stack):
+    chunks, _ = _chunks(psd_stack, PROMPT_IDS[2], max_tokens=60, temperature=0, ignore_eos=True)
+    tokens = [t for chunk in chunks for t in chunk]
+    starts = [sum(map(len, chunks[:i])) for i in range(len(chunks))]
+    stop_at = next(start + j for start, chunk in zip(starts, chunks) for j in range(len(chunk) - 1)
+                   if start > 0 and tokens[start + j] not in tokens[:start + j])   # not a block's last token
+    stopped = _generate(psd_stack, PROMPT_IDS[2], max_tokens=60, temperature=0, ignore_eos=True,
+                        stop_token_ids=[tokens[stop_at]])
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == tokens[:stop_at + 1] and stopped.usage.completion_tokens == stop_at + 1
+    for info in _wait_slots_free(psd_stack.cfg):
+        assert info.num_free_slots == info.max_num_seqs and not info.request_ids
+
+
+def test_seeded_sampled_requests_repeat_whatever_shares_the_batch(psd_stack):
+    sampled = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
+    alone = _generate(psd_stack, PROMPT_IDS[3], seed=1234, **sampled).token_ids
+
+    def one(i: int) -> list[int]:
+        extra = {"seed": 1234} if i % 2 == 0 else {"seed": 7 + i, "top_k": 5 + i}
+        return _generate(psd_stack, PROMPT_IDS[3] if i % 2 == 0 else PROMPT_IDS[i % 3], **extra, **sampled).token_ids
+
+    with ThreadPoolExecutor(6) as pool:  # 6 requests > 2m = 4: the batches change while they run
+        outputs = list(pool.map(one, range(6)))
+    assert outputs[0] == outputs[2] == outputs[4] == alone and len(alone) == 24
+    other = _generate(psd_stack, PROMPT_IDS[3], seed=99, **sampled).token_ids
+    assert other != alone
+
+
+def test_drafter_killed_mid_run_falls_back_to_ar_and_streams_complete(psd_stack, ar_reference):
+    """Kills the psd stack's drafter: runs last."""
+    before = _greedy_batch(psd_stack, KILL_TOKENS)
+    assert [r.token_ids for r in before] == ar_reference["kill"]
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_greedy_batch, psd_stack, KILL_TOKENS)
+        deadline = time.monotonic() + 120
+        while _status(psd_stack.cfg).num_running < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        psd_stack.kill("drafter")
+        results = running.result(timeout=300)
+    assert all((r.finish_reason, len(r.token_ids)) == ("length", KILL_TOKENS) for r in results)
+    assert [r.token_ids for r in results] == ar_reference["kill"]
+    status = _status(psd_stack.cfg)
+    assert not status.is_drafter_available and status.effective_mode == "ar"
+    assert 0 < sum(r.usage.num_drafts for r in results) < sum(r.usage.num_drafts for r in before)  # then ar
+    assert _generate(psd_stack, PROMPT_IDS[1], max_tokens=8, temperature=0, ignore_eos=True).usage.num_drafts == 0

@@ -1,0 +1,203 @@
+"""bench.engines_compare: system names, vLLM server command lines, ratios, greedy checks, the
+Markdown table (hand-built records), and one tiny run of vLLM's own server against psd on vLLM.
+
+The tiny run starts ``vllm-ar`` (vLLM's OpenAI server from ``.venv-vllm``) and ``psd-vllm`` (our
+stack with ``--engine vllm``) on CPU: about a minute. Without ``.venv-vllm`` it fails.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.compare_systems import SystemName, parse_system, synthetic_rates, vllm_server_argv
+from bench.engines_compare import CompareConfig
+from bench.report_compare import greedy_vs_reference, markdown, ratios_by_concurrency
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("vllm-ar", SystemName("vllm", "ar")),
+    ("vllm-sd-k4", SystemName("vllm", "sd", k=4)),
+    ("vllm-sd-k12", SystemName("vllm", "sd", k=12)),
+    ("psd-vllm", SystemName("ours", "psd", "vllm")),
+    ("ar-native", SystemName("ours", "ar", "native")),
+    ("auto-vllm", SystemName("ours", "auto", "vllm")),
+])
+def test_parse_system_reads_every_form(name, expected):
+    assert parse_system(name) == expected
+
+
+@pytest.mark.parametrize("name", ["vllm-sd-k0", "vllm-sd", "vllm-sd-kx", "vllm-psd", "psd", "psd-tgi", "xyz-vllm", ""])
+def test_parse_system_refuses_unknown_names_naming_them(name):
+    with pytest.raises(ValueError, match=f"unknown system '{name}'"):
+        parse_system(name)
+    with pytest.raises(ValueError):
+        CompareConfig(out_dir="x", systems=("vllm-ar", name))
+
+
+def test_synthetic_rates_are_the_powers_of_p():
+    assert synthetic_rates(0.5, 3) == [0.5, 0.25, 0.125]
+    assert synthetic_rates(0.7, 1) == [0.7]
+    assert synthetic_rates(1.0, 4) == [1.0] * 4
+
+
+def _argv(system: str, **cfg) -> list[str]:
+    config = CompareConfig(out_dir="x", m=3, max_model_len=512, dtype="float32", **cfg)
+    return vllm_server_argv("/py", config, parse_system(system), 8123, ("/t", "dummy"), ("/d", "auto"))
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_vllm_ar_server_argv_has_no_speculation(device):
+    argv = _argv("vllm-ar", device=device, enforce_eager=device == "cpu")
+    assert argv[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert _flag(argv, "--model") == "/t" and _flag(argv, "--load-format") == "dummy"
+    assert _flag(argv, "--max-num-seqs") == "6" and _flag(argv, "--max-model-len") == "512"   # 2m
+    assert _flag(argv, "--port") == "8123" and _flag(argv, "--dtype") == "float32"
+    assert "--speculative-config" not in argv
+    assert ("--gpu-memory-utilization" in argv) == (device == "cuda")
+    assert ("--enforce-eager" in argv) == (device == "cpu")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_vllm_sd_server_argv_drafts_k_tokens_with_the_draft_model(device):
+    spec = json.loads(_flag(_argv("vllm-sd-k5", device=device), "--speculative-config"))
+    assert spec == {"method": "draft_model", "model": "/d", "num_speculative_tokens": 5}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_vllm_sd_server_argv_with_fixed_acceptance_uses_synthetic_rates(device):
+    argv = _argv("vllm-sd-k3", device=device, fixed_acceptance=0.5)
+    spec = json.loads(_flag(argv, "--speculative-config"))
+    assert spec["method"] == "draft_model" and spec["num_speculative_tokens"] == 3
+    assert spec["rejection_sample_method"] == "synthetic"
+    assert spec["synthetic_acceptance_rates"] == [0.5, 0.25, 0.125]
+    assert "synthetic" not in json.dumps(_argv("vllm-ar", device=device, fixed_acceptance=0.5))
+
+
+def _record(system: str, c: int, tok_s: float, outputs: dict | None = None) -> dict:
+    record = {"system": system, "concurrency": c, "errors": [], "step_split": None,
+              "metrics": {"output_tokens_per_s": tok_s, "ttft_ms_p50": 10.0, "latency_ms_p50": 100.0,
+                          "mean_acceptance_length": 2.5}}
+    return {**record, "outputs": outputs} if outputs is not None else record
+
+
+RECORDS = [
+    _record("vllm-ar", 1, 100.0), _record("vllm-sd-k4", 1, 150.0), _record("psd-vllm", 1, 180.0),
+    _record("ar-vllm", 1, 90.0),
+    _record("vllm-ar", 4, 200.0), _record("psd-vllm", 4, 300.0), {"system": "sd-vllm", "concurrency": 4,
+                                                                  "skipped": "time budget"},
+    _record("psd-vllm", 8, 400.0),   # no vLLM run at c=8: no ratio row
+]
+
+
+def test_ratios_per_concurrency_against_vllm_ar_and_the_best_vllm_system():
+    rows = {row["concurrency"]: row for row in ratios_by_concurrency(RECORDS)}
+    assert sorted(rows) == [1, 4]
+    one = rows[1]
+    assert (one["best_vllm"], one["best_ours"], one["best_vllm_sd"]) == ("vllm-sd-k4", "psd-vllm", "vllm-sd-k4")
+    assert one["best_ours_over_best_vllm"] == pytest.approx(1.2)
+    assert one["over_vllm_ar"] == pytest.approx({"psd-vllm": 1.8, "ar-vllm": 0.9})
+    assert one["over_best_vllm"] == pytest.approx({"psd-vllm": 1.2, "ar-vllm": 0.6})
+    assert one["psd_over_best_vllm_sd"] == pytest.approx({"psd-vllm": 1.2})
+    four = rows[4]
+    assert four["best_vllm"] == "vllm-ar" and four["over_vllm_ar"] == pytest.approx({"psd-vllm": 1.5})
+    assert "best_vllm_sd" not in four and "psd_over_best_vllm_sd" not in four
+
+
+def test_ratios_without_vllm_ar_leave_its_column_empty():
+    rows = ratios_by_concurrency([_record("vllm-sd-k2", 1, 50.0), _record("psd-vllm", 1, 75.0)])
+    assert rows[0]["over_vllm_ar"] == {} and rows[0]["psd_over_best_vllm_sd"] == pytest.approx({"psd-vllm": 1.5})
+
+
+def test_greedy_comparison_counts_equal_outputs_on_common_prompts_at_the_same_concurrency():
+    records = [_record("vllm-ar", 1, 1.0, {"1": "a", "2": "b"}), _record("psd-vllm", 1, 1.0, {"1": "a", "2": "x", "3": "c"}),
+               _record("sd-vllm", 1, 1.0, {"1": "a", "2": "b"}), _record("psd-vllm", 4, 1.0, {"1": "a"}),
+               _record("ar-vllm", 1, 1.0)]
+    assert greedy_vs_reference(records) == [
+        {"system": "psd-vllm", "concurrency": 1, "num_equal": 1, "num_compared": 2},
+        {"system": "sd-vllm", "concurrency": 1, "num_equal": 2, "num_compared": 2}]
+
+
+def _results(failures=()) -> dict:
+    records = [r for r in RECORDS if r["concurrency"] == 1]
+    return {"meta": {"date_utc": "2026-01-01T00:00:00+00:00", "machine": "cpu x2", "git_commit": "0123456789abcdef",
+                     "command": "python -m bench.engines_compare --x"},
+            "runs": records + [{"system": "sd-vllm", "concurrency": 4, "skipped": "time budget"}],
+            "ratios": ratios_by_concurrency(records),
+            "greedy_vs_vllm_ar": [{"system": "psd-vllm", "concurrency": 1, "num_equal": 3, "num_compared": 4}],
+            "failures": list(failures)}
+
+
+def test_markdown_has_a_row_per_system_the_ratios_and_the_greedy_check():
+    text = markdown(_results(), CompareConfig(out_dir="x", k=3, m=2, max_tokens=64))
+    assert text.startswith("# Engines compare (2026-01-01T00:00:00+00:00, cpu x2, commit 0123456789)")
+    for system, tok_s in (("vllm-ar", "100.0"), ("vllm-sd-k4", "150.0"), ("psd-vllm", "180.0"), ("ar-vllm", "90.0")):
+        assert f"| {system} | {tok_s} |" in text
+    assert "| sd-vllm |" not in text                                      # skipped: no row
+    assert "| 1 | psd-vllm / vllm-sd-k4 = 1.20x | psd-vllm 1.80x, ar-vllm 0.90x | psd-vllm 1.20x (vllm-sd-k4) |" in text
+    assert "- psd-vllm c=1: 3/4" in text and "k = 3 (ours), m = 2" in text
+    assert "BENCHMARK-ONLY" not in text and "FAILED" not in text
+
+
+def test_markdown_labels_fixed_acceptance_and_lists_failures():
+    cfg = CompareConfig(out_dir="x", fixed_acceptance=0.7)
+    text = markdown(_results([{"system": "vllm-sd-k4", "error": "RuntimeError: boom"}]), cfg)
+    assert "**BENCHMARK-ONLY fixed acceptance 0.7** (not the target distribution)" in text
+    assert "**FAILED** vllm-sd-k4: `RuntimeError: boom`" in text
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    """(target, draft): head_dim-64 tiny Llamas (the draft a different seed) with the SmolLM2 tokenizer."""
+    from transformers import AutoTokenizer
+
+    from conftest import _build_tiny_llama
+    from specdec.loader import packaged_gguf_path
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(packaged_gguf_path()),
+                                              gguf_file=os.path.basename(packaged_gguf_path()))
+    dirs = []
+    for name, seed, num_layers in (("target", 0, 2), ("draft", 1, 1)):
+        path = str(tmp_path_factory.mktemp(name))
+        _build_tiny_llama(num_layers=num_layers, vocab_size=49152, seed=seed, max_position_embeddings=256,
+                          **SHAPE).save_pretrained(path, safe_serialization=True)
+        tokenizer.save_pretrained(path)
+        dirs.append(path)
+    return tuple(dirs)
+
+
+def test_tiny_cpu_run_of_vllm_ar_and_psd_vllm_writes_both_and_equal_greedy_outputs(tiny_dirs, tmp_path):
+    data = tmp_path / "question.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in (
+        {"question_id": 1, "category": "writing", "turns": ["Hi"]},
+        {"question_id": 2, "category": "translation", "turns": ["Translate: bonjour"]})) + "\n")
+    out = tmp_path / "out"
+    argv = ["--out-dir", str(out), "--device", "cpu", "--dtype", "float32", "--target", tiny_dirs[0],
+            "--draft", tiny_dirs[1], "--systems", "vllm-ar,psd-vllm", "--concurrencies", "1", "--max-tokens", "8",
+            "--m", "1", "--k", "2", "--max-model-len", "256", "--num-warmup", "1", "--enforce-eager",
+            "--requests-per-client", "1", "--min-requests", "1", "--data", str(data)]
+    proc = subprocess.run([sys.executable, "-m", "bench.engines_compare", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["failures"] == []
+    runs = {r["system"]: r for r in results["runs"]}
+    assert sorted(runs) == ["psd-vllm", "vllm-ar"]
+    for run in runs.values():
+        assert run["concurrency"] == 1 and run["errors"] == []
+        assert run["metrics"]["num_output_tokens"] == 8 and run["metrics"]["output_tokens_per_s"] > 0
+    assert runs["psd-vllm"]["step_split"]["verify_ms"] > 0
+    assert results["greedy_vs_vllm_ar"] == [{"system": "psd-vllm", "concurrency": 1, "num_equal": 1, "num_compared": 1}]
+    outputs = json.loads((out / "outputs.json").read_text())
+    assert outputs["vllm-ar-c1"]["1"] and outputs["vllm-ar-c1"] == outputs["psd-vllm-c1"]   # same non-empty text
+    assert "| psd-vllm | 1 |" in (out / "results.md").read_text()

@@ -1,0 +1,338 @@
+"""The vLLM backend's invariants on real in-process vLLM engines (run in ``.venv-vllm``).
+
+Tiny float32 Llamas (head_dim 64: vLLM's CPU attention needs >= 32), ``enforce_eager``, one
+target and one draft engine per module. Checked: ``PsdScheduler`` runs only the named batch
+(paused requests keep their KV, tokens and blocks; interleaved batches each equal their greedy
+reference), the coordinator's drafts reach vLLM exactly (ragged k_i), a stray waiting request
+and a too-small KV cache are refused, greedy verification is exact for any draft, seeded
+sampling repeats whatever shares the batch, sampled speculative decoding with a different
+draft model reproduces the target's exact distribution (chi-square), release frees the KV, and
+``VllmDraftWorker``'s catch-up, capacity and unknown-id contracts.
+"""
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+
+from conftest import _build_tiny_llama
+from specdec.errors import CapacityError
+from specdec.sampling import SamplingParams
+from specdec.vllm_backend.draft import VllmDraftWorker
+from specdec.vllm_backend.engine import VllmEngineConfig, build_engine, check_kv_capacity, to_vllm_sampling
+from specdec.vllm_backend.target import VllmTargetWorker
+from specdec.worker_base import DraftCapacityError
+
+SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
+VOCAB = 128
+K = 4
+MAX_LEN = 256
+GREEDY = SamplingParams(temperature=0.0, seed=0)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(target dir, draft dir, HF target): the draft is the target with a little noise on every weight."""
+    target = _build_tiny_llama(num_layers=2, seed=0, **SHAPE)
+    draft = _build_tiny_llama(num_layers=2, seed=0, **SHAPE)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(0.01 * torch.randn_like(param))
+    dirs = [str(tmp_path_factory.mktemp(name)) for name in ("target", "draft")]
+    target.save_pretrained(dirs[0], safe_serialization=True)
+    draft.save_pretrained(dirs[1], safe_serialization=True)
+    return dirs[0], dirs[1], target
+
+
+def _cfg(model: str, **kwargs) -> VllmEngineConfig:
+    return VllmEngineConfig(**{"model": model, "max_num_seqs": 32, "max_model_len": MAX_LEN, "enforce_eager": True,
+                               "kv_cache_space_gib": 0.05, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def target(models):
+    return VllmTargetWorker(_cfg(models[0], num_speculative_tokens=K))
+
+
+@pytest.fixture(scope="module")
+def drafter(models):
+    return VllmDraftWorker(_cfg(models[1]), seed=0)
+
+
+@pytest.fixture(scope="module")
+def fresh_drafter(models):
+    """A second draft engine (module-scoped: a collected engine tears down vLLM's process-wide groups)."""
+    return VllmDraftWorker(_cfg(models[1], max_num_seqs=2), seed=0)
+
+
+def _vid(worker, rid: str) -> str:
+    return worker._requests[rid].vllm_id
+
+
+def _snapshot(worker, rid: str):
+    request = worker.scheduler.requests[_vid(worker, rid)]
+    blocks = worker.scheduler.kv_cache_manager.get_block_ids(_vid(worker, rid))
+    return request.num_computed_tokens, list(request.output_token_ids), [list(b) for b in blocks]
+
+
+@torch.no_grad()
+def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def _drafts(ref: list[int], pos: int, num_correct: int, k: int = K) -> list[int]:
+    """k drafts for output position ``pos``: the reference's next ``num_correct`` tokens, then wrong ones."""
+    return ref[pos:pos + num_correct] + [(t + 1) % VOCAB for t in ref[pos + num_correct:pos + k]]
+
+
+def test_verify_leaves_requests_outside_the_named_batch_untouched(target):
+    target.add_requests([("only-a", _prompt(1, 126), GREEDY), ("only-b", _prompt(2, 40), GREEDY)])
+    try:
+        before_a, before_b = _snapshot(target, "only-a"), _snapshot(target, "only-b")
+        for _ in range(3):
+            target.verify(["only-a"], [[5, 6, 7]])
+        after_a = _snapshot(target, "only-a")
+        assert after_a[0] > before_a[0] and len(after_a[1]) >= len(before_a[1]) + 3
+        assert len(after_a[2][0]) > len(before_a[2][0])        # a crossed a block boundary
+        assert _snapshot(target, "only-b") == before_b
+    finally:
+        target.release("only-a"), target.release("only-b")
+
+
+def test_interleaved_batches_each_equal_their_greedy_reference(target, models):
+    shared = _prompt(3, 128)                                    # one full cached block, shared
+    prompts = {"mix-a": shared + _prompt(4, 7), "mix-b": shared + _prompt(5, 12)}
+    refs = {rid: _hf_greedy(models[2], p, 48) for rid, p in prompts.items()}
+    out = {}
+    for rid, prompt in prompts.items():                         # apart: b hits a's cached block
+        out[rid] = target.add_requests([(rid, prompt, GREEDY)])[0].token_ids
+    try:
+        assert _snapshot(target, "mix-a")[2][0][0] == _snapshot(target, "mix-b")[2][0][0]
+        for step in range(40):
+            rid = "mix-a" if step % 3 else "mix-b"
+            ref, pos = refs[rid], len(out[rid])
+            if pos + K >= len(ref):
+                continue
+            drafts = _drafts(ref, pos, step % (K + 1)) if rid == "mix-a" else []
+            out[rid] += target.verify([rid], [drafts])[0].token_ids
+        assert len(out["mix-a"]) > 30 and len(out["mix-b"]) > 10
+        for rid in prompts:
+            assert out[rid] == refs[rid][:len(out[rid])], rid
+    finally:
+        target.release("mix-a"), target.release("mix-b")
+
+
+def test_wrong_drafts_accept_exactly_the_correct_prefix_and_equal_ar(target, models):
+    prompt = _prompt(6, 20)
+    ref = _hf_greedy(models[2], prompt, 60)
+    out = target.add_requests([("ar-ref", prompt, GREEDY)])[0].token_ids
+    for _ in range(10):                                         # ar on the same engine
+        out += target.verify(["ar-ref"], [[]])[0].token_ids
+    target.release("ar-ref")
+    assert out == ref[:11]
+    out = target.add_requests([("exact", prompt, GREEDY)])[0].token_ids
+    try:
+        for step in range(12):
+            num_correct = step % (K + 1)
+            result = target.verify(["exact"], [_drafts(ref, len(out), num_correct)])[0]
+            assert result.num_accepted == num_correct
+            assert result.token_ids == ref[len(out):len(out) + num_correct + 1]
+            out += result.token_ids
+    finally:
+        target.release("exact")
+
+
+def test_scheduled_drafts_are_exactly_the_given_ragged_rows(target, monkeypatch):
+    ids = ["rag-a", "rag-b", "rag-c", "rag-d", "rag-paused"]
+    target.add_requests([(rid, _prompt(10 + i, 5 + 3 * i), GREEDY) for i, rid in enumerate(ids)])
+    seen = []
+    schedule = target.scheduler.schedule
+
+    def spy(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        seen.append((copy.deepcopy(output.scheduled_spec_decode_tokens), dict(output.num_scheduled_tokens)))
+        return output
+
+    monkeypatch.setattr(target.scheduler, "schedule", spy)
+    rows = [[9, 8, 7, 6], [], [11], [12, 13]]
+    try:
+        results = target.verify(ids[:4], rows)
+        assert len(seen) == 1
+        spec, num_tokens = seen[0]
+        assert spec == {_vid(target, rid): row for rid, row in zip(ids, rows) if row}
+        assert num_tokens == {_vid(target, rid): len(row) + 1 for rid, row in zip(ids, rows)}
+        assert [len(r.token_ids) for r in results] == [r.num_accepted + 1 for r in results]
+        assert all(r.num_accepted <= len(row) for r, row in zip(results, rows))
+    finally:
+        for rid in ids:
+            target.release(rid)
+
+
+def test_waiting_request_outside_the_step_is_refused(target):
+    vllm_id = target.engine.add_request("stray", {"prompt_token_ids": [3, 4, 5]}, to_vllm_sampling(GREEDY, 8))
+    try:
+        with pytest.raises(RuntimeError, match="waiting requests outside the scheduled batch"):
+            target.engine.step()                                # the worker's idle step names nobody
+    finally:
+        target.engine.abort_request([vllm_id], internal=True)
+    assert vllm_id not in target.scheduler.requests
+    assert len(target.add_requests([("after-stray", [3, 4, 5], GREEDY)])[0].token_ids) == 1
+    target.release("after-stray")
+
+
+def test_release_frees_the_kv_blocks(target):
+    pool = target.scheduler.kv_cache_manager.block_pool
+    free = pool.get_num_free_blocks()
+    target.add_requests([("rel-a", _prompt(20, 200), GREEDY), ("rel-b", _prompt(21, 60), GREEDY)])
+    target.verify(["rel-a", "rel-b"], [[3, 4, 5], []])
+    vllm_ids = [_vid(target, "rel-a"), _vid(target, "rel-b")]
+    assert pool.get_num_free_blocks() <= free - 3
+    target.release("rel-a"), target.release("rel-b")
+    assert not set(vllm_ids) & set(target.scheduler.requests)
+    assert pool.get_num_free_blocks() == free and target.facts().num_free_slots == 32
+    with pytest.raises(KeyError):
+        target.release("rel-a")
+
+
+def _sample_run(target, drafter, batch: dict[str, SamplingParams], prompt: list[int], steps: int) -> dict:
+    """Speculative decoding of ``batch`` (same prompt) with drafts of k=3: {id: output tokens}."""
+    items = [(rid, prompt, params) for rid, params in batch.items()]
+    out = {o.request_id: list(o.token_ids) for o in target.add_requests(items)}
+    drafter.add_requests(items)
+    try:
+        for _ in range(steps):
+            drafts, _ = drafter.draft(list(out), [(len(prompt), out[rid]) for rid in out], 3)
+            for result in target.verify(list(out), drafts):
+                out[result.request_id] += result.token_ids
+    finally:
+        for rid in batch:
+            target.release(rid), drafter.release(rid)
+    return out
+
+
+def test_seeded_sampling_repeats_alone_and_in_a_mixed_batch(target, drafter, models):
+    prompt, seeded = _prompt(30, 9), SamplingParams(temperature=1.0, seed=1234)
+    alone = [_sample_run(target, drafter, {"seed-x": seeded}, prompt, 6)["seed-x"] for _ in range(2)]
+    mixed = _sample_run(target, drafter, {
+        "seed-y": SamplingParams(temperature=1.0, top_k=5, seed=1), "seed-x": seeded, "seed-greedy": GREEDY,
+        "seed-z": SamplingParams(temperature=1.0, top_p=0.8, seed=2),
+        "seed-w": SamplingParams(temperature=0.7, top_k=3, top_p=0.9, seed=3)}, prompt, 6)
+    other = _sample_run(target, drafter, {"seed-x": SamplingParams(temperature=1.0, seed=99)}, prompt, 6)["seed-x"]
+    assert len(alone[0]) >= 7
+    assert alone[0] == alone[1] == mixed["seed-x"]
+    assert other[:7] != alone[0][:7]
+    greedy = mixed["seed-greedy"]                               # a greedy row among sampled ones stays exact
+    assert greedy == _hf_greedy(models[2], prompt, len(greedy))
+
+
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of Pearson's chi-square (counts vs probs); 0 when a count falls on a zero-probability cell."""
+    expected = probs * counts.sum()
+    if bool(((expected == 0) & (counts > 0)).any()):
+        return 0.0
+    keep = expected > 0
+    stat = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@torch.no_grad()
+def _top4(model, ids: list[int]) -> dict[int, float]:
+    logits = model(torch.tensor([ids])).logits[0, -1].double()
+    values, tokens = logits.topk(5)
+    assert float(values[3] - values[4]) > 1e-3                  # the top-4 set is unambiguous
+    return dict(zip(tokens[:4].tolist(), torch.softmax(values[:4], 0).tolist()))
+
+
+def test_sampled_speculative_pairs_follow_the_exact_target_distribution(target, drafter, models):
+    prompt = _prompt(40, 6)
+    counts: dict[tuple[int, int], int] = {}
+    num_accepted = []
+    for round_ in range(64):                                   # 2048 samples
+        batch = {f"dist-{round_}-{i}": SamplingParams(temperature=1.0, top_k=4, seed=1000 * round_ + i)
+                 for i in range(32)}
+        items = [(rid, prompt, p) for rid, p in batch.items()]
+        first = {o.request_id: o.token_ids[0] for o in target.add_requests(items)}
+        drafter.add_requests(items)
+        try:
+            ids = list(batch)
+            drafts, _ = drafter.draft(ids, [(len(prompt), [first[rid]]) for rid in ids], 2)
+            for rid, result in zip(ids, target.verify(ids, drafts)):
+                pair = (first[rid], result.token_ids[0])
+                counts[pair] = counts.get(pair, 0) + 1
+                num_accepted.append(result.num_accepted)
+        finally:
+            for rid in batch:
+                target.release(rid), drafter.release(rid)
+    p0 = _top4(models[2], prompt)
+    exact = {(t0, t1): p * q for t0, p in p0.items() for t1, q in _top4(models[2], prompt + [t0]).items()}
+    cells = sorted(set(exact) | set(counts))
+
+    def column(table: dict) -> torch.Tensor:
+        return torch.tensor([float(table.get(c, 0)) for c in cells], dtype=torch.float64)
+
+    assert min(num_accepted.count(0), len(num_accepted) - num_accepted.count(0)) > 0.1 * len(num_accepted)
+    assert _chi_square_p(column(counts), column(exact)) > 1e-3
+    # The test has power: t1 conditioned on a wrong t0 (the next one of the top 4) is rejected.
+    shift = dict(zip(p0, list(p0)[1:] + list(p0)[:1]))
+    wrong = {(t0, t1): p * q for t0, p in p0.items() for t1, q in _top4(models[2], prompt + [shift[t0]]).items()}
+    assert _chi_square_p(column(counts), column(wrong)) < 1e-6
+
+
+def test_draft_catch_up_after_partial_acceptance_drafts_from_the_committed_sequence(drafter, fresh_drafter):
+    prompt, fresh = _prompt(50, 30), fresh_drafter
+    drafter.add_requests([("catch", prompt, GREEDY)])
+    try:
+        first, _ = drafter.draft(["catch"], [(len(prompt), [5])], 3)
+        committed = [5, first[0][0], (first[0][1] + 1) % VOCAB]   # d0 accepted, d1 replaced
+        again, _ = drafter.draft(["catch"], [(len(prompt) + 1, committed[1:])], 3)
+        fresh.add_requests([("ref", prompt + committed, GREEDY)])
+        expected, _ = fresh.draft(["ref"], [(len(prompt) + 3, [])], 3)
+        assert again == expected and len(again[0]) == 3
+        stale, _ = fresh.draft(["ref"], [(len(prompt) + 1, first[0][:2])], 3)   # from the drafted tokens
+        assert again != stale
+    finally:
+        drafter.release("catch"), fresh.release("ref")
+
+
+def test_draft_capacity_error_changes_nothing_and_unknown_ids_raise(drafter):
+    prompt = _prompt(60, 200)
+    drafter.add_requests([("cap", prompt, GREEDY)])
+    try:
+        fits, _ = drafter.draft(["cap"], [(len(prompt), [7] * 52)], 4)   # 200 + 52 + 4 = 256: fits
+        with pytest.raises(DraftCapacityError) as info:
+            drafter.draft(["cap"], [(len(prompt), [8] * 53)], 4)
+        assert info.value.request_ids == ["cap"]
+        with pytest.raises(ValueError, match="outside the known committed length 252"):   # still 200 + 52 known
+            drafter.draft(["cap"], [(len(prompt) + 53, [])], 1)
+        assert drafter.draft(["cap"], [(len(prompt) + 52, [])], 4)[0] == fits   # ... and they are the 7s
+        with pytest.raises(KeyError):
+            drafter.draft(["cap", "nobody"], [(len(prompt), []), (0, [3])], 1)
+        with pytest.raises(KeyError):
+            drafter.release("nobody")
+    finally:
+        drafter.release("cap")
+
+
+def test_kv_cache_below_max_num_seqs_times_max_model_len_is_refused(models):
+    cfg = _cfg(models[0], max_num_seqs=16, num_speculative_tokens=K)   # 16 x 3 blocks of 128 (256 + k tokens)
+    fake = types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+        cache_config=types.SimpleNamespace(block_size=128, num_gpu_blocks=16 * 3)))
+    check_kv_capacity(fake, cfg)
+    fake.vllm_config.cache_config.num_gpu_blocks = 16 * 3 - 1
+    with pytest.raises(CapacityError):
+        check_kv_capacity(fake, cfg)
+    with pytest.raises(CapacityError, match="max_num_seqs=64"):  # 1 MiB of KV holds 1024 tokens, not 64 x 256
+        build_engine(VllmEngineConfig(model=models[0], max_num_seqs=64, max_model_len=MAX_LEN, enforce_eager=True,
+                                      kv_cache_space_gib=1 / 1024))
