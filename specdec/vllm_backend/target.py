@@ -87,10 +87,15 @@ class VllmTargetWorker:
         for rid, prompt, _ in items:
             self._check_prompt(rid, prompt)
         added = {}
-        for rid, prompt, params in items:
-            vllm_id = self.engine.add_request(rid, {"prompt_token_ids": list(prompt)},
-                                              to_vllm_sampling(params, self.cfg.max_model_len - len(prompt)))
-            added[rid] = _Resident(vllm_id, params)
+        try:
+            for rid, prompt, params in items:
+                vllm_id = self.engine.add_request(rid, {"prompt_token_ids": list(prompt)},
+                                                  to_vllm_sampling(params, self.cfg.max_model_len - len(prompt)))
+                added[rid] = _Resident(vllm_id, params)
+        except BaseException:  # e.g. vLLM refused a sampling parameter: the others of the call go too
+            if added:
+                self.engine.abort_request([state.vllm_id for state in added.values()], internal=True)
+            raise
         self._requests.update(added)
         outputs = self._prefill(added)
         return [step_output(rid, outputs[rid], 0, added[rid].params.logprobs) for rid in ids]

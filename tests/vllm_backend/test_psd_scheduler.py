@@ -204,6 +204,31 @@ def test_release_frees_the_kv_blocks(target):
         target.release("rel-a")
 
 
+def test_a_refused_request_takes_the_others_of_its_add_call_back_out(target, monkeypatch):
+    """All or nothing: when vLLM refuses the second request of one add call, the first one is
+    aborted again (no vLLM request, no KV block, no slot is left behind)."""
+    pool = target.scheduler.kv_cache_manager.block_pool
+    free, num_requests = pool.get_num_free_blocks(), len(target.scheduler.requests)
+    real_add = target.engine.add_request
+    calls = []
+
+    def refuse_second(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise ValueError("refused by vLLM")
+        return real_add(*args, **kwargs)
+
+    monkeypatch.setattr(target.engine, "add_request", refuse_second)
+    with pytest.raises(ValueError, match="refused by vLLM"):
+        target.add_requests([("all-a", _prompt(30, 40), GREEDY), ("all-b", _prompt(31, 40), GREEDY)])
+    monkeypatch.undo()
+    assert calls == ["all-a", "all-b"]
+    target.add_requests([("all-c", _prompt(32, 8), GREEDY)])   # steps the engine: an abort is applied
+    target.release("all-c")
+    assert len(target.scheduler.requests) == num_requests and pool.get_num_free_blocks() == free
+    assert "all-a" not in target.request_ids and target.facts().num_free_slots == 32
+
+
 def _sample_run(target, drafter, batch: dict[str, SamplingParams], prompt: list[int], steps: int) -> dict:
     """Speculative decoding of ``batch`` (same prompt) with drafts of k=3: {id: output tokens}."""
     items = [(rid, prompt, params) for rid, params in batch.items()]
