@@ -16,11 +16,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from minedraft.serving import ServerOptions, build_server, mirror_health, serve_until_signal, wait_for_serving
+from minedraft.serving import (DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, build_server, mirror_health, serve_until_signal,
+                               wait_for_serving)
 from minedraft.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, engine_pb2
 
 from coordinator.admission import NO_DRAFTER, EngineSlots
-from coordinator.config import CoordinatorConfig
+from coordinator.config import CoordinatorConfig, DataPlaneKind
 from coordinator.context_window import ContextLimits
 from coordinator.engines import EngineClients
 from coordinator.finish import FinishParams
@@ -162,10 +163,35 @@ async def connect_engines(cfg: CoordinatorConfig) -> tuple[EngineClients, tuple[
     for address, info in zip(addresses, infos):
         logger.info("engine %s: model %s, %d free slots, max_model_len %d", address, info.model,
                     info.num_free_slots, info.max_model_len)
+    if cfg.uses_drafter:
+        check_inline_draft_probs_fit(cfg, infos[1])
     limits = ContextLimits(infos[0].max_model_len, infos[1].max_model_len if cfg.uses_drafter else 0)
     logger.info("admission: at most %d running requests (limited by %s)", slots.max_num_running(cfg),
                 slots.limited_by(cfg))
     return engines, tuple(infos[0].eos_token_ids), slots, limits
+
+
+PROBS_ITEMSIZE = 4          # the drafter's float32 draft probabilities
+MESSAGE_OVERHEAD_BYTES = 1 << 20   # ids, k_i, field headers: far below this
+
+
+def check_inline_draft_probs_fit(cfg: CoordinatorConfig, drafter: engine_pb2.EngineInfo,
+                                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    """Refuse at start-up (never mid-traffic) a configuration whose largest inline Draft reply
+    / Verify request cannot pass gRPC: ``max_num_seqs x k x vocab`` float32 draft probabilities
+    of a sampled batch, when the drafter sends probabilities and the plane is inline.
+
+    Raises:
+        RuntimeError: naming the sizes and the flags that fix it.
+    """
+    if cfg.data_plane != DataPlaneKind.INLINE or not drafter.sends_draft_probs:
+        return
+    num_bytes = cfg.max_num_seqs * cfg.num_speculative_tokens * drafter.vocab_size * PROBS_ITEMSIZE
+    if num_bytes + MESSAGE_OVERHEAD_BYTES > max_message_bytes:
+        raise RuntimeError(
+            f"draft probabilities of a batch of max_num_seqs={cfg.max_num_seqs} x k={cfg.num_speculative_tokens} x "
+            f"vocab {drafter.vocab_size} are {num_bytes / 2**20:.1f} MiB, over the {max_message_bytes / 2**20:.0f} MiB "
+            "gRPC message limit: lower --k or --max-num-seqs, or use --data-plane dist or ipc")
 
 
 async def _release_stale_requests(engines: EngineClients, stubs: list, addresses: list[str],

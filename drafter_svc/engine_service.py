@@ -134,6 +134,7 @@ def engine_info(facts, model_name: str, request_ids, tensor_parallel_size: int =
         request_ids=sorted(request_ids),
         weight_bytes=facts.weight_bytes,
         kv_cache_bytes=facts.kv_cache_bytes,
+        sends_draft_probs=facts.sends_draft_probs,
     )
 
 

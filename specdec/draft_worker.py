@@ -64,6 +64,12 @@ class DraftWorker(Worker):
             state.committed = list(prompt)
             state.kv_token_ids = list(prompt)
 
+    def facts(self):
+        """``EngineFacts`` of the draft runner; sampled drafts come with draft probabilities."""
+        from dataclasses import replace
+
+        return replace(super().facts(), sends_draft_probs=True)
+
     def can_draft(self, num_committed_tokens: int, k: int) -> bool:
         """Whether a sequence of that many committed tokens fits k draft steps in the draft KV."""
         return num_committed_tokens + k - 1 <= self.max_model_len

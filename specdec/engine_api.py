@@ -36,6 +36,8 @@ class EngineFacts:
         device, dtype: where and in what precision it runs.
         weight_bytes, kv_cache_bytes: memory of the parameters (0: unknown, e.g. vLLM dummy
             weights) and of the KV cache, in bytes.
+        sends_draft_probs: a drafter whose sampled drafts come with [b, k, vocab] draft
+            probabilities (native); False for token ids only (vLLM) and for verifiers.
     """
 
     vocab_size: int
@@ -48,6 +50,7 @@ class EngineFacts:
     dtype: str
     weight_bytes: int
     kv_cache_bytes: int
+    sends_draft_probs: bool = False
 
     def with_free_slots(self, num_free_slots: int) -> "EngineFacts":
         return replace(self, num_free_slots=num_free_slots)

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from minedraft.v1 import common_pb2 as minedraft_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19minedraft/v1/engine.proto\x12\x0cminedraft.v1\x1a\x19minedraft/v1/common.proto\"g\n\x07SeqInit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.minedraft.v1.SamplingParams\"9\n\x12\x41\x64\x64RequestsRequest\x12#\n\x04seqs\x18\x01 \x03(\x0b\x32\x15.minedraft.v1.SeqInit\"\x8b\x01\n\tSeqOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x19.minedraft.v1.TopLogprobs\"S\n\x13\x41\x64\x64RequestsResponse\x12(\n\x07outputs\x18\x01 \x03(\x0b\x32\x17.minedraft.v1.SeqOutput\x12\x12\n\nforward_ms\x18\x02 \x01(\x01\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\'\n\x0fReleaseResponse\x12\x14\n\x0cnum_released\x18\x01 \x01(\x05\"\x13\n\x11\x45ngineInfoRequest\"\x8b\x02\n\nEngineInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x16\n\x0enum_free_slots\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x13\n\x0brequest_ids\x18\n \x03(\t\x12\x14\n\x0cweight_bytes\x18\x0b \x01(\x03\x12\x16\n\x0ekv_cache_bytes\x18\x0c \x01(\x03\"}\n\x08\x44raftSeq\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x1d\n\x10num_draft_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\x13\n\x11_num_draft_tokens\"\x92\x01\n\x0c\x44raftRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\x05\x12$\n\x04seqs\x18\x03 \x03(\x0b\x32\x16.minedraft.v1.DraftSeq\x12+\n\ndata_plane\x18\x04 \x01(\x0e\x32\x17.minedraft.v1.DataPlane\"\xd6\x01\n\rDraftResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x0f\x64raft_token_ids\x18\x02 \x01(\x0b\x32\x14.minedraft.v1.Tensor\x12)\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x14.minedraft.v1.Tensor\x12\x17\n\x0fhas_draft_probs\x18\x04 \x01(\x08\x12\x10\n\x08\x64raft_ms\x18\x05 \x01(\x01\x12\x15\n\rdata_plane_ms\x18\x06 \x01(\x01\x12\x18\n\x10num_draft_tokens\x18\x07 \x03(\x05\"\x86\x02\n\rVerifyRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12-\n\x0f\x64raft_token_ids\x18\x03 \x01(\x0b\x32\x14.minedraft.v1.Tensor\x12)\n\x0b\x64raft_probs\x18\x04 \x01(\x0b\x32\x14.minedraft.v1.Tensor\x12\x17\n\x0fhas_draft_probs\x18\x05 \x01(\x08\x12+\n\ndata_plane\x18\x06 \x01(\x0e\x32\x17.minedraft.v1.DataPlane\x12\x15\n\rdraft_step_id\x18\x07 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\x08 \x03(\x05\"u\n\x0eVerifyResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x07outputs\x18\x02 \x03(\x0b\x32\x17.minedraft.v1.SeqOutput\x12\x11\n\tverify_ms\x18\x03 \x01(\x01\x12\x15\n\rdata_plane_ms\x18\x04 \x01(\x01*S\n\tDataPlane\x12\x1a\n\x16\x44\x41TA_PLANE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44\x41TA_PLANE_INLINE\x10\x01\x12\x13\n\x0f\x44\x41TA_PLANE_DIST\x10\x02\x32\xb5\x02\n\x07\x44rafter\x12R\n\x0b\x41\x64\x64Requests\x12 .minedraft.v1.AddRequestsRequest\x1a!.minedraft.v1.AddRequestsResponse\x12@\n\x05\x44raft\x12\x1a.minedraft.v1.DraftRequest\x1a\x1b.minedraft.v1.DraftResponse\x12N\n\x0fReleaseRequests\x12\x1c.minedraft.v1.ReleaseRequest\x1a\x1d.minedraft.v1.ReleaseResponse\x12\x44\n\x07GetInfo\x12\x1f.minedraft.v1.EngineInfoRequest\x1a\x18.minedraft.v1.EngineInfo2\xb9\x02\n\x08Verifier\x12R\n\x0b\x41\x64\x64Requests\x12 .minedraft.v1.AddRequestsRequest\x1a!.minedraft.v1.AddRequestsResponse\x12\x43\n\x06Verify\x12\x1b.minedraft.v1.VerifyRequest\x1a\x1c.minedraft.v1.VerifyResponse\x12N\n\x0fReleaseRequests\x12\x1c.minedraft.v1.ReleaseRequest\x1a\x1d.minedraft.v1.ReleaseResponse\x12\x44\n\x07GetInfo\x12\x1f.minedraft.v1.EngineInfoRequest\x1a\x18.minedraft.v1.EngineInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19minedraft/v1/engine.proto\x12\x0cminedraft.v1\x1a\x19minedraft/v1/common.proto\"g\n\x07SeqInit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.minedraft.v1.SamplingParams\"9\n\x12\x41\x64\x64RequestsRequest\x12#\n\x04seqs\x18\x01 \x03(\x0b\x32\x15.minedraft.v1.SeqInit\"\x8b\x01\n\tSeqOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x19.minedraft.v1.TopLogprobs\"S\n\x13\x41\x64\x64RequestsResponse\x12(\n\x07outputs\x18\x01 \x03(\x0b\x32\x17.minedraft.v1.SeqOutput\x12\x12\n\nforward_ms\x18\x02 \x01(\x01\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\'\n\x0fReleaseResponse\x12\x14\n\x0cnum_released\x18\x01 \x01(\x05\"\x13\n\x11\x45ngineInfoRequest\"\xa6\x02\n\nEngineInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x16\n\x0enum_free_slots\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x13\n\x0brequest_ids\x18\n \x03(\t\x12\x14\n\x0cweight_bytes\x18\x0b \x01(\x03\x12\x16\n\x0ekv_cache_bytes\x18\x0c \x01(\x03\x12\x19\n\x11sends_draft_probs\x18\r \x01(\x08\"}\n\x08\x44raftSeq\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x1d\n\x10num_draft_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\x13\n\x11_num_draft_tokens\"\x92\x01\n\x0c\x44raftRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\x05\x12$\n\x04seqs\x18\x03 \x03(\x0b\x32\x16.minedraft.v1.DraftSeq\x12+\n\ndata_plane\x18\x04 \x01(\x0e\x32\x17.minedraft.v1.DataPlane\"\xd6\x01\n\rDraftResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x0f\x64raft_token_ids\x18\x02 \x01(\x0b\x32\x14.minedraft.v1.Tensor\x12)\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x14.minedraft.v1.Tensor\x12\x17\n\x0fhas_draft_probs\x18\x04 \x01(\x08\x12\x10\n\x08\x64raft_ms\x18\x05 \x01(\x01\x12\x15\n\rdata_plane_ms\x18\x06 \x01(\x01\x12\x18\n\x10num_draft_tokens\x18\x07 \x03(\x05\"\x86\x02\n\rVerifyRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12-\n\x0f\x64raft_token_ids\x18\x03 \x01(\x0b\x32\x14.minedraft.v1.Tensor\x12)\n\x0b\x64raft_probs\x18\x04 \x01(\x0b\x32\x14.minedraft.v1.Tensor\x12\x17\n\x0fhas_draft_probs\x18\x05 \x01(\x08\x12+\n\ndata_plane\x18\x06 \x01(\x0e\x32\x17.minedraft.v1.DataPlane\x12\x15\n\rdraft_step_id\x18\x07 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\x08 \x03(\x05\"u\n\x0eVerifyResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x07outputs\x18\x02 \x03(\x0b\x32\x17.minedraft.v1.SeqOutput\x12\x11\n\tverify_ms\x18\x03 \x01(\x01\x12\x15\n\rdata_plane_ms\x18\x04 \x01(\x01*S\n\tDataPlane\x12\x1a\n\x16\x44\x41TA_PLANE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44\x41TA_PLANE_INLINE\x10\x01\x12\x13\n\x0f\x44\x41TA_PLANE_DIST\x10\x02\x32\xb5\x02\n\x07\x44rafter\x12R\n\x0b\x41\x64\x64Requests\x12 .minedraft.v1.AddRequestsRequest\x1a!.minedraft.v1.AddRequestsResponse\x12@\n\x05\x44raft\x12\x1a.minedraft.v1.DraftRequest\x1a\x1b.minedraft.v1.DraftResponse\x12N\n\x0fReleaseRequests\x12\x1c.minedraft.v1.ReleaseRequest\x1a\x1d.minedraft.v1.ReleaseResponse\x12\x44\n\x07GetInfo\x12\x1f.minedraft.v1.EngineInfoRequest\x1a\x18.minedraft.v1.EngineInfo2\xb9\x02\n\x08Verifier\x12R\n\x0b\x41\x64\x64Requests\x12 .minedraft.v1.AddRequestsRequest\x1a!.minedraft.v1.AddRequestsResponse\x12\x43\n\x06Verify\x12\x1b.minedraft.v1.VerifyRequest\x1a\x1c.minedraft.v1.VerifyResponse\x12N\n\x0fReleaseRequests\x12\x1c.minedraft.v1.ReleaseRequest\x1a\x1d.minedraft.v1.ReleaseResponse\x12\x44\n\x07GetInfo\x12\x1f.minedraft.v1.EngineInfoRequest\x1a\x18.minedraft.v1.EngineInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'minedraft.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DATAPLANE']._serialized_start=1709
-  _globals['_DATAPLANE']._serialized_end=1792
+  _globals['_DATAPLANE']._serialized_start=1736
+  _globals['_DATAPLANE']._serialized_end=1819
   _globals['_SEQINIT']._serialized_start=70
   _globals['_SEQINIT']._serialized_end=173
   _globals['_ADDREQUESTSREQUEST']._serialized_start=175
@@ -49,19 +49,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINEINFOREQUEST']._serialized_start=541
   _globals['_ENGINEINFOREQUEST']._serialized_end=560
   _globals['_ENGINEINFO']._serialized_start=563
-  _globals['_ENGINEINFO']._serialized_end=830
-  _globals['_DRAFTSEQ']._serialized_start=832
-  _globals['_DRAFTSEQ']._serialized_end=957
-  _globals['_DRAFTREQUEST']._serialized_start=960
-  _globals['_DRAFTREQUEST']._serialized_end=1106
-  _globals['_DRAFTRESPONSE']._serialized_start=1109
-  _globals['_DRAFTRESPONSE']._serialized_end=1323
-  _globals['_VERIFYREQUEST']._serialized_start=1326
-  _globals['_VERIFYREQUEST']._serialized_end=1588
-  _globals['_VERIFYRESPONSE']._serialized_start=1590
-  _globals['_VERIFYRESPONSE']._serialized_end=1707
-  _globals['_DRAFTER']._serialized_start=1795
-  _globals['_DRAFTER']._serialized_end=2104
-  _globals['_VERIFIER']._serialized_start=2107
-  _globals['_VERIFIER']._serialized_end=2420
+  _globals['_ENGINEINFO']._serialized_end=857
+  _globals['_DRAFTSEQ']._serialized_start=859
+  _globals['_DRAFTSEQ']._serialized_end=984
+  _globals['_DRAFTREQUEST']._serialized_start=987
+  _globals['_DRAFTREQUEST']._serialized_end=1133
+  _globals['_DRAFTRESPONSE']._serialized_start=1136
+  _globals['_DRAFTRESPONSE']._serialized_end=1350
+  _globals['_VERIFYREQUEST']._serialized_start=1353
+  _globals['_VERIFYREQUEST']._serialized_end=1615
+  _globals['_VERIFYRESPONSE']._serialized_start=1617
+  _globals['_VERIFYRESPONSE']._serialized_end=1734
+  _globals['_DRAFTER']._serialized_start=1822
+  _globals['_DRAFTER']._serialized_end=2131
+  _globals['_VERIFIER']._serialized_start=2134
+  _globals['_VERIFIER']._serialized_end=2447
 # @@protoc_insertion_point(module_scope)

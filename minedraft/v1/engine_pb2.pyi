@@ -72,7 +72,7 @@ class EngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_num_seqs", "max_model_len", "num_free_slots", "eos_token_ids", "tensor_parallel_size", "device", "dtype", "request_ids", "weight_bytes", "kv_cache_bytes")
+    __slots__ = ("model", "vocab_size", "max_num_seqs", "max_model_len", "num_free_slots", "eos_token_ids", "tensor_parallel_size", "device", "dtype", "request_ids", "weight_bytes", "kv_cache_bytes", "sends_draft_probs")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class EngineInfo(_message.Message):
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SENDS_DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_num_seqs: int
@@ -97,7 +98,8 @@ class EngineInfo(_message.Message):
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     weight_bytes: int
     kv_cache_bytes: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_free_slots: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
+    sends_draft_probs: bool
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_free_slots: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., weight_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., sends_draft_probs: _Optional[bool] = ...) -> None: ...
 
 class DraftSeq(_message.Message):
     __slots__ = ("request_id", "start_position", "token_ids", "num_draft_tokens")
