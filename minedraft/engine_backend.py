@@ -24,7 +24,7 @@ from specdec.engine_api import ENGINES  # noqa: F401  (torch-free; part of this 
 SHARED_GPU_UTILIZATION = {"verifier": 0.55, "drafter": 0.3}
 OWN_GPU_UTILIZATION = 0.85
 VLLM_VENV_PYTHON = os.path.join(".venv-vllm", "bin", "python")
-KV_SLACK_TOKENS = 64   # beyond max_model_len + k per request: vLLM's block rounding
+VLLM_CPU_BLOCK_TOKENS = 128   # vLLM's CPU KV block: each request's tokens round up to whole blocks
 MIN_KV_GIB = 0.25
 
 
@@ -39,6 +39,8 @@ def engine_python(engine: str, explicit: str = "") -> str:
         ValueError: ``engine`` is vllm and no Python with vLLM is found (naming the fix).
     """
     if explicit:
+        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+            raise ValueError(f"engine_python: --engine-python {explicit!r} is not an executable file")
         return explicit
     if engine != "vllm" or importlib.util.find_spec("vllm") is not None:
         return sys.executable
@@ -73,11 +75,13 @@ def gpu_memory_utilization(cfg, role: str) -> float:
 
 
 def kv_cache_gib(cfg, role: str, model_dir: str) -> float:
-    """GiB of CPU KV cache for 2m requests of ``max_model_len + k`` tokens (+ slack), or
-    ``MIN_KV_GIB`` when the model's config cannot be read."""
+    """GiB of CPU KV cache for 2m requests of ``max_model_len + k`` tokens, each rounded up to whole
+    vLLM blocks plus one (``specdec.vllm_backend.engine.check_kv_capacity`` asks the rounded
+    amount), or ``MIN_KV_GIB`` when the model's config cannot be read."""
     from minedraft.capacity import GIB, model_footprint
 
-    tokens = cfg.max_model_len + cfg.num_speculative_tokens + KV_SLACK_TOKENS
+    block = VLLM_CPU_BLOCK_TOKENS
+    tokens = (-(-(cfg.max_model_len + cfg.num_speculative_tokens) // block) + 1) * block
     try:
         footprint = model_footprint(role, model_dir, cfg.dtype, cfg.num_engine_slots, tokens)
     except (OSError, KeyError, ValueError):

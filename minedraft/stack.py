@@ -157,6 +157,9 @@ class StackConfig:
                                     "draft token ids travel: vLLM's rejection sampler needs no draft probs)")
             checks["max_prefill_tokens"] = (self.max_prefill_tokens is None and self.max_graph_prefill_tokens is None,
                                             "the prefill flags are the native engine's (vLLM batches prefills itself)")
+            checks["bench_fixed_acceptance"] = (self.bench_fixed_acceptance is None or self.placement.is_cuda,
+                                                "needs --device cuda with --engine vllm (vLLM's synthetic rejection "
+                                                "sampler has no CPU version)")
         for name in ("gateway_port", "coordinator_port", "drafter_port", "verifier_port", "dist_port"):
             checks[name] = (0 < getattr(self, name) <= 65535, "must be in [1, 65535]")
         for name, (is_ok, reason) in checks.items():

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from bench.gpu_stack import start_front
-from minedraft.client import GenerationResult, MineDraftClient, build_request
+from minedraft.client import GenerationError, GenerationResult, MineDraftClient, build_request
 from minedraft.engine_backend import engine_python
 from minedraft.launcher import Stack
 from test_e2e_faults import _generate
@@ -167,6 +167,21 @@ def test_seeded_sampled_requests_repeat_whatever_shares_the_batch(psd_stack):
     assert outputs[0] == outputs[2] == outputs[4] == alone and len(alone) == 24
     other = _generate(psd_stack, PROMPT_IDS[3], seed=99, **sampled).token_ids
     assert other != alone
+
+
+def test_a_parameter_vllm_refuses_is_invalid_argument_for_that_request_only(psd_stack):
+    """temperature > 2 (vLLM's range) and min_p (vLLM: not with speculative decoding) are refused
+    with INVALID_ARGUMENT naming the parameter; the drafter stays available, others run on."""
+    for sampling, name in (({"temperature": 2.5}, "temperature"), ({"temperature": 1.0, "min_p": 0.1}, "min_p")):
+        with pytest.raises(GenerationError) as exc:
+            _generate(psd_stack, PROMPT_IDS[0], max_tokens=8, ignore_eos=True, **sampling)
+        assert exc.value.code_name == "INVALID_ARGUMENT" and name in exc.value.message
+    status = _status(psd_stack.cfg)
+    assert status.is_drafter_available and status.effective_mode == "psd"
+    ok = _generate(psd_stack, PROMPT_IDS[1], max_tokens=8, temperature=0, ignore_eos=True)
+    assert len(ok.token_ids) == 8 and ok.usage.num_drafts > 0
+    for info in _wait_slots_free(psd_stack.cfg):
+        assert info.num_free_slots == info.max_num_seqs and not info.request_ids
 
 
 def test_drafter_killed_mid_run_falls_back_to_ar_and_streams_complete(psd_stack, ar_reference):

@@ -12,8 +12,22 @@ from minedraft.engine_backend import SHARED_GPU_UTILIZATION, engine_python, kv_c
 from minedraft.stack import StackConfig, build_service_specs, default_data_plane
 
 
+def _fake_python() -> str:
+    """An executable file standing for the Python with vLLM (nothing runs it here)."""
+    import tempfile
+
+    path = os.path.join(tempfile.mkdtemp(prefix="vllm-python-"), "python")
+    with open(path, "w") as f:
+        f.write("#!/bin/sh\n")
+    os.chmod(path, 0o755)
+    return path
+
+
+FAKE_PYTHON = _fake_python()
+
+
 def _specs(**kwargs):
-    cfg = StackConfig(engine="vllm", draft="/draft", engine_python="/opt/vllm/bin/python", **kwargs)
+    cfg = StackConfig(engine="vllm", draft="/draft", engine_python=FAKE_PYTHON, **kwargs)
     return {s.name: s for s in build_service_specs(cfg, "/target")}
 
 
@@ -25,7 +39,7 @@ def test_vllm_engines_run_in_the_engine_python_with_the_engine_flag():
     specs = _specs(mode="psd", num_speculative_tokens=3, max_num_seqs=2)
     for name in ("verifier", "drafter"):
         argv = specs[name].argv
-        assert argv[0] == "/opt/vllm/bin/python" and _flag(argv, "--engine") == "vllm"
+        assert argv[0] == FAKE_PYTHON and _flag(argv, "--engine") == "vllm"
         assert _flag(argv, "--data-plane") == "inline" and "--kv-cache-space-gib" in argv
     assert _flag(specs["verifier"].argv, "--num-speculative-tokens") == "3"
     for name in ("coordinator", "gateway"):   # torch-free services stay in this Python
@@ -57,7 +71,7 @@ def test_cpu_kv_cache_fits_every_slot_at_full_length(tmp_path):
 
     save_file({"w": np.zeros((4, 4), dtype=np.float32)}, str(tmp_path / "model.safetensors"))
     cfg = StackConfig(max_num_seqs=16, max_model_len=8192, num_speculative_tokens=4, dtype="float32")
-    tokens = 8192 + 4 + engine_backend.KV_SLACK_TOKENS
+    tokens = (-(-(8192 + 4) // 128) + 1) * 128   # whole vLLM CPU blocks, plus one
     need = 2 * 3 * 2 * 64 * 4 * tokens * cfg.num_engine_slots / 2**30   # K+V, layers, kv heads, head dim, fp32
     assert need > engine_backend.MIN_KV_GIB and kv_cache_gib(cfg, "verifier", str(tmp_path)) == pytest.approx(need)
     assert kv_cache_gib(cfg, "verifier", str(tmp_path / "missing")) == engine_backend.MIN_KV_GIB
@@ -66,7 +80,7 @@ def test_cpu_kv_cache_fits_every_slot_at_full_length(tmp_path):
 @pytest.mark.parametrize("kwargs, field", [
     ({"data_plane": "dist"}, "data_plane"), ({"data_plane": "ipc"}, "data_plane"),
     ({"max_prefill_tokens": 0}, "max_prefill_tokens"), ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
-    ({"engine": "tensorrt"}, "engine"),
+    ({"engine": "tensorrt"}, "engine"), ({"bench_fixed_acceptance": 0.7}, "bench_fixed_acceptance"),
 ])
 def test_vllm_stack_refuses_what_the_vllm_engines_cannot_do(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -78,7 +92,9 @@ def test_engine_python_names_the_fix_when_no_python_has_vllm(monkeypatch, tmp_pa
     monkeypatch.setattr(engine_backend, "repo_root", lambda: str(tmp_path))
     with pytest.raises(ValueError, match="setup_vllm.sh"):
         engine_python("vllm")
-    assert engine_python("native") == sys.executable and engine_python("vllm", "/x/python") == "/x/python"
+    assert engine_python("native") == sys.executable and engine_python("vllm", sys.executable) == sys.executable
+    with pytest.raises(ValueError, match="--engine-python"):
+        engine_python("vllm", str(tmp_path / "no-such-python"))
     venv_python = tmp_path / ".venv-vllm" / "bin" / "python"
     venv_python.parent.mkdir(parents=True)
     venv_python.write_text("")

@@ -28,7 +28,7 @@ from specdec.draft_worker import merge_committed
 from specdec.engine_api import EngineFacts
 from specdec.errors import CapacityError
 from specdec.sampling import SamplingParams
-from specdec.vllm_backend.engine import VllmEngineConfig, build_engine, to_vllm_sampling
+from specdec.vllm_backend.engine import VllmEngineConfig, build_engine, refusals_as_value_errors, to_vllm_sampling
 from specdec.vllm_backend.outputs import collect_step, engine_facts
 from specdec.worker_base import DraftCapacityError
 
@@ -159,8 +159,9 @@ class VllmDraftWorker:
         try:
             for name, rid in names.items():
                 prompt, params, n, seed = jobs[rid]
-                vllm_ids.append(self.engine.add_request(name, {"prompt_token_ids": prompt},
-                                                        to_vllm_sampling(params, n, seed=seed)))
+                with refusals_as_value_errors():
+                    vllm_ids.append(self.engine.add_request(name, {"prompt_token_ids": prompt},
+                                                            to_vllm_sampling(params, n, seed=seed)))
             pending = set(names)
             for _ in range(max(n for _, _, n, _ in jobs.values()) + MAX_DRAFT_STEPS_SLACK):
                 for name, output in collect_step(self.engine.step()).items():

@@ -20,6 +20,7 @@ at start-up, ``CapacityError`` otherwise), so that PSD's paused batch never lose
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -184,7 +185,26 @@ def check_kv_capacity(engine, cfg: VllmEngineConfig) -> None:
     if have < needed:
         raise CapacityError(f"vLLM KV cache holds {have} tokens, max_num_seqs={cfg.max_num_seqs} x max_model_len="
                             f"{cfg.max_model_len} needs {needed}: lower --max-num-seqs / --max-model-len or give "
-                            "it more memory (--gpu-memory-utilization, or --kv-cache-space-gib on CPU)")
+                            "it more memory (--gpu-memory-utilization; on CPU the engine service's "
+                            "--kv-cache-space-gib, which minedraft up sizes from the model)")
+
+
+@contextlib.contextmanager
+def refusals_as_value_errors():
+    """vLLM's refusal of a request (``vllm.exceptions.VLLMValidationError`` / ``VLLMClientError``,
+    e.g. temperature > 2, or min_p with speculative decoding) as ``ValueError`` with vLLM's
+    message naming the parameter, so the services answer INVALID_ARGUMENT for that request only.
+    (In vLLM 0.24 the class is a ValueError already; in 0.32 it is not.)"""
+    from vllm import exceptions
+
+    refusals = tuple(getattr(exceptions, name) for name in ("VLLMClientError", "VLLMValidationError")
+                     if hasattr(exceptions, name))
+    try:
+        yield
+    except refusals as exc:
+        if isinstance(exc, ValueError):
+            raise
+        raise ValueError(f"refused by vLLM: {exc}") from exc
 
 
 def to_vllm_sampling(params: SamplingParams, max_tokens: int, seed: int | None = None):

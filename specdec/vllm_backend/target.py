@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from specdec.engine_api import EngineFacts
 from specdec.errors import CapacityError
 from specdec.sampling import SamplingParams
-from specdec.vllm_backend.engine import VllmEngineConfig, build_engine, kv_cache_tokens, scheduler_of, to_vllm_sampling
+from specdec.vllm_backend.engine import (VllmEngineConfig, build_engine, kv_cache_tokens, refusals_as_value_errors,
+                                         scheduler_of, to_vllm_sampling)
 from specdec.vllm_backend.outputs import collect_step, engine_facts, step_output
 from specdec.vllm_backend.scheduler import PsdStep
 
@@ -75,7 +76,8 @@ class VllmTargetWorker:
             One ``StepOutput`` per item (1 token, ``num_accepted`` 0), in order.
 
         Raises:
-            ValueError: a repeated or already active id, an empty prompt, a token id out of range.
+            ValueError: a repeated or already active id, an empty prompt, a token id out of range,
+                or sampling parameters vLLM refuses (e.g. temperature > 2; min_p with speculation).
             CapacityError: no free slot, or a prompt that leaves no room in ``max_model_len``.
         """
         ids = [rid for rid, _, _ in items]
@@ -89,8 +91,9 @@ class VllmTargetWorker:
         added = {}
         try:
             for rid, prompt, params in items:
-                vllm_id = self.engine.add_request(rid, {"prompt_token_ids": list(prompt)},
-                                                  to_vllm_sampling(params, self.cfg.max_model_len - len(prompt)))
+                with refusals_as_value_errors():
+                    vllm_id = self.engine.add_request(rid, {"prompt_token_ids": list(prompt)},
+                                                      to_vllm_sampling(params, self.cfg.max_model_len - len(prompt)))
                 added[rid] = _Resident(vllm_id, params)
         except BaseException:  # e.g. vLLM refused a sampling parameter: the others of the call go too
             if added:

@@ -11,6 +11,7 @@ draft model reproduces the target's exact distribution (chi-square), release fre
 """
 from __future__ import annotations
 
+
 import copy
 import types
 
@@ -227,6 +228,23 @@ def test_a_refused_request_takes_the_others_of_its_add_call_back_out(target, mon
     target.release("all-c")
     assert len(target.scheduler.requests) == num_requests and pool.get_num_free_blocks() == free
     assert "all-a" not in target.request_ids and target.facts().num_free_slots == 32
+
+
+@pytest.mark.parametrize("params, name", [(SamplingParams(temperature=2.5, seed=1), "temperature"),
+                                          (SamplingParams(temperature=1.0, min_p=0.1, seed=1), "min_p")])
+def test_parameters_vllm_refuses_are_value_errors_naming_them(target, drafter, params, name):
+    """vLLM refuses temperature > 2 and min_p with speculation: ValueError (the services answer
+    INVALID_ARGUMENT for that request, not INTERNAL) with vLLM's message; nothing stays behind."""
+    num_requests = len(target.scheduler.requests)
+    with pytest.raises(ValueError, match=name):
+        target.add_requests([("refused", _prompt(40, 10), params)])
+    if name == "temperature":
+        with pytest.raises(ValueError, match="temperature"):
+            drafter.add_requests([("refused-d", _prompt(40, 10), params)])
+    else:   # the draft engine does not speculate: min_p is fine there
+        drafter.add_requests([("refused-d", _prompt(40, 10), params)])
+        drafter.release("refused-d")
+    assert len(target.scheduler.requests) == num_requests and "refused" not in target.request_ids
 
 
 def _sample_run(target, drafter, batch: dict[str, SamplingParams], prompt: list[int], steps: int) -> dict:
