@@ -28,6 +28,7 @@ from specdec.draft_worker import merge_committed
 from specdec.engine_api import EngineFacts
 from specdec.errors import CapacityError
 from specdec.sampling import SamplingParams
+from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
 from specdec.vllm_backend.engine import VllmEngineConfig, build_engine, refusals_as_value_errors, to_vllm_sampling
 from specdec.vllm_backend.outputs import collect_step, engine_facts
 from specdec.worker_base import DraftCapacityError
@@ -86,11 +87,7 @@ class VllmDraftWorker:
             CapacityError: no free slot, or a prompt of ``max_model_len`` tokens or more.
         """
         ids = [rid for rid, _, _ in items]
-        if len(set(ids)) != len(ids) or any(rid in self._requests for rid in ids):
-            raise ValueError(f"request ids must be new and distinct, got {ids}")
-        if len(self._requests) + len(items) > self.cfg.max_num_seqs:
-            raise CapacityError(f"no free slot: {len(self._requests)} of {self.cfg.max_num_seqs} in use, "
-                                f"{len(items)} more asked")
+        check_new_ids(self._requests, ids, self.cfg.max_num_seqs)
         for rid, prompt, _ in items:
             if not prompt:
                 raise ValueError(f"prompt_token_ids of {rid!r} must not be empty")
@@ -126,12 +123,7 @@ class VllmDraftWorker:
             KeyError: unknown request. ValueError: bad ``committed`` or ``k`` (no state changes).
             DraftCapacityError: a sequence would pass ``max_model_len`` (no state changes).
         """
-        missing = [rid for rid in request_ids if rid not in self._requests]
-        if missing:
-            raise KeyError(f"unknown request ids: {missing}")
-        if len(set(request_ids)) != len(request_ids):
-            raise ValueError(f"request_ids must be distinct, got {request_ids}")
-        states = [self._requests[rid] for rid in request_ids]
+        states = known_states(self._requests, request_ids)
         ks = [k] * len(states) if isinstance(k, int) else list(k)
         if min(ks, default=0) < 0 or len(committed) != len(states) or len(ks) != len(states):
             raise ValueError(f"need k >= 0 and one committed entry and k per request, got k={k}, "

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from specdec.engine_api import EngineFacts
 from specdec.errors import CapacityError
 from specdec.sampling import SamplingParams
+from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
 from specdec.vllm_backend.engine import (VllmEngineConfig, build_engine, kv_cache_tokens, refusals_as_value_errors,
                                          scheduler_of, to_vllm_sampling)
 from specdec.vllm_backend.outputs import collect_step, engine_facts, step_output
@@ -81,11 +82,7 @@ class VllmTargetWorker:
             CapacityError: no free slot, or a prompt that leaves no room in ``max_model_len``.
         """
         ids = [rid for rid, _, _ in items]
-        if len(set(ids)) != len(ids) or any(rid in self._requests for rid in ids):
-            raise ValueError(f"request ids must be new and distinct, got {ids}")
-        if len(self._requests) + len(items) > self.cfg.max_num_seqs:
-            raise CapacityError(f"no free slot: {len(self._requests)} of {self.cfg.max_num_seqs} in use, "
-                                f"{len(items)} more asked")
+        check_new_ids(self._requests, ids, self.cfg.max_num_seqs)
         for rid, prompt, _ in items:
             self._check_prompt(rid, prompt)
         added = {}
@@ -149,7 +146,7 @@ class VllmTargetWorker:
             KeyError: an unknown request id. ValueError: rows and ids differ in number, a row
             longer than ``num_speculative_tokens``. RuntimeError: the engine did not run a row.
         """
-        states = self._states(request_ids)
+        states = known_states(self._requests, request_ids)
         if len(draft_token_ids) != len(states):
             raise ValueError(f"draft_token_ids has {len(draft_token_ids)} rows for {len(states)} requests")
         too_long = [len(row) for row in draft_token_ids if len(row) > self.cfg.num_speculative_tokens]
@@ -167,14 +164,6 @@ class VllmTargetWorker:
             raise RuntimeError(f"vLLM did not run {missing} in this step")
         return [step_output(rid, outputs[rid], len(row), s.params.logprobs)
                 for rid, s, row in zip(request_ids, states, draft_token_ids)]
-
-    def _states(self, request_ids: list[str]) -> list[_Resident]:
-        missing = [rid for rid in request_ids if rid not in self._requests]
-        if missing:
-            raise KeyError(f"unknown request ids: {missing}")
-        if len(set(request_ids)) != len(request_ids):
-            raise ValueError(f"request_ids must be distinct, got {request_ids}")
-        return [self._requests[rid] for rid in request_ids]
 
     def _run(self, step: PsdStep) -> dict:
         """One engine step restricted to ``step``: {request id: ``CompletionOutput`` delta}."""
