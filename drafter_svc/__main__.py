@@ -136,8 +136,12 @@ async def serve(args: argparse.Namespace) -> None:
     engine_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
     await server.start()
     logger.info("drafter listening on %s:%d (NOT_SERVING until warm-up)", args.host, port)
-    servicer.attach(await servicer.executor.run(load_worker, args))
-    await servicer.executor.run(servicer.warm_up)
+    try:
+        servicer.attach(await servicer.executor.run(load_worker, args))
+        await servicer.executor.run(servicer.warm_up)
+    except BaseException:  # stop the server in this loop: its finalizer after the loop closed only adds noise
+        await server.stop(None)
+        raise
     await health.set_serving()
     logger.info("drafter SERVING %s on %s:%d (engine %s, data plane %s)", args.draft, args.host, port,
                 args.engine, args.data_plane)

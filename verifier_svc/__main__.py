@@ -141,7 +141,11 @@ async def serve(args: argparse.Namespace, ctx: TPContext) -> None:
     engine_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
     await server.start()
     logger.info("verifier listening on %s:%d (NOT_SERVING until warm-up)", args.host, port)
-    engine = await servicer.executor.run(load_engine, args, ctx)
+    try:
+        engine = await servicer.executor.run(load_engine, args, ctx)
+    except BaseException:  # stop the server in this loop: its finalizer after the loop closed only adds noise
+        await server.stop(None)
+        raise
     try:
         servicer.attach(engine)
         await servicer.executor.run(servicer.warm_up)
