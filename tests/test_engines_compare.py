@@ -87,7 +87,7 @@ def test_vllm_sd_server_argv_with_fixed_acceptance_uses_synthetic_rates(device):
 def _record(system: str, c: int, tok_s: float, outputs: dict | None = None) -> dict:
     record = {"system": system, "concurrency": c, "errors": [], "step_split": None,
               "metrics": {"output_tokens_per_s": tok_s, "ttft_ms_p50": 10.0, "latency_ms_p50": 100.0,
-                          "mean_acceptance_length": 2.5}}
+                          "mean_acceptance_length": 2.5, "num_errors": 1 if system == "vllm-ar" else 0}}
     return {**record, "outputs": outputs} if outputs is not None else record
 
 
@@ -147,6 +147,7 @@ def test_markdown_has_a_row_per_system_the_ratios_and_the_greedy_check():
     assert "| 1 | psd-vllm / vllm-sd-k4 = 1.20x | psd-vllm 1.80x, ar-vllm 0.90x | psd-vllm 1.20x (vllm-sd-k4) |" in text
     assert "- psd-vllm c=1: 3/4" in text and "k = 3 (ours), m = 2" in text
     assert "BENCHMARK-ONLY" not in text and "FAILED" not in text
+    assert "| vllm-ar | 1 | 10 | 100 | 2.50 | - | - | - | 1 |" in text   # failed requests, not error kinds
 
 
 def test_markdown_labels_fixed_acceptance_and_lists_failures():
@@ -154,6 +155,7 @@ def test_markdown_labels_fixed_acceptance_and_lists_failures():
     text = markdown(_results([{"system": "vllm-sd-k4", "error": "RuntimeError: boom"}]), cfg)
     assert "**BENCHMARK-ONLY fixed acceptance 0.7** (not the target distribution)" in text
     assert "**FAILED** vllm-sd-k4: `RuntimeError: boom`" in text
+    assert "psd-vllm c=1: 3/4" not in text   # speculative outputs follow the fixed acceptance: not compared
 
 
 @pytest.fixture(scope="module")
