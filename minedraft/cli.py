@@ -5,6 +5,7 @@ Only ``distill`` imports torch (lazily, through ``specdec.distill``).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from minedraft.engine_backend import ENGINES
@@ -136,7 +137,7 @@ def _cmd_generate(args) -> int:
     else:
         kwargs["prompt"] = args.prompt
     try:
-        with MineDraftClient(args.gateway) as client:
+        with MineDraftClient(args.gateway, api_key=args.api_key) as client:
             for delta in client.stream_text(**kwargs):
                 print(delta, end="", flush=True)
     except grpc.RpcError as exc:  # the call's status, e.g. INVALID_ARGUMENT or UNAVAILABLE
@@ -159,7 +160,7 @@ def _cmd_prompts(args) -> int:
 
     cfg = PromptsConfig(path=args.file, gateway=args.gateway, limit=args.limit, concurrency=args.concurrency,
                         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-                        ignore_eos=args.ignore_eos, wait_s=args.wait)
+                        ignore_eos=args.ignore_eos, wait_s=args.wait, api_key=args.api_key)
     metrics, results = run_prompts(cfg)
     print(format_metrics(metrics))
     if args.out:
@@ -187,6 +188,12 @@ def _cmd_timeline(args) -> int:
     return timeline_main(args.input, args.out, args.first_step, args.max_steps)
 
 
+def add_api_key_arg(p: argparse.ArgumentParser) -> None:
+    """``--api-key`` of the client commands (default ``$MINEDRAFT_API_KEY``, as the gateway's)."""
+    p.add_argument("--api-key", default=os.environ.get("MINEDRAFT_API_KEY", ""),
+                   help="API key of a gateway started with --api-key (default: $MINEDRAFT_API_KEY)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minedraft", description="MineDraft: batch-parallel speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -200,12 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--raw", dest="chat", action="store_false", help="send as raw text, not a chat message")
+    add_api_key_arg(gen)
     prompts = sub.add_parser("prompts", help="run Spec-Bench prompts through a running stack, print metrics")
     prompts.add_argument("file", help="Spec-Bench format jsonl")
     prompts.add_argument("--gateway", default=DEFAULT_GATEWAY)
     prompts.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the gateway's health")
     prompts.add_argument("--out", default="", help="write the metrics as JSON here")
     prompts.add_argument("--outputs", default="", help="write per-request outputs as JSON here")
+    add_api_key_arg(prompts)
     add_prompts_args(prompts)
     demo = sub.add_parser("demo", help="for each mode: up, prompts, down; then a side-by-side table")
     demo.add_argument("--modes", default="ar,sd,psd")

@@ -41,6 +41,7 @@ class PromptsConfig:
     seed: int | None = None
     ignore_eos: bool = False
     wait_s: float = 60.0
+    api_key: str = ""   # for a gateway started with --api-key ("" = none)
 
     def __post_init__(self) -> None:
         for name, is_ok in (("limit", self.limit >= 1), ("concurrency", self.concurrency >= 1),
@@ -109,7 +110,7 @@ def summarize(results: list[GenerationResult], wall_s: float) -> dict:
 
 
 async def _run_async(cfg: PromptsConfig, prompts: list[tuple[str, str]]) -> tuple[list[GenerationResult], float]:
-    async with AsyncMineDraftClient(cfg.gateway) as client:
+    async with AsyncMineDraftClient(cfg.gateway, api_key=cfg.api_key) as client:
         if cfg.wait_s > 0:
             await client.wait_until_serving(cfg.wait_s)
         semaphore = asyncio.Semaphore(cfg.concurrency)

@@ -74,3 +74,33 @@ def test_right_key_passes_and_health_needs_none(address):
 def test_empty_key_is_refused():
     with pytest.raises(ValueError, match="api_key"):
         ApiKeyInterceptor("")
+
+
+def test_generate_command_sends_the_api_key_from_the_flag_or_the_environment(address, monkeypatch, capsys):
+    """Issue 25.6: ``minedraft generate --api-key`` / ``MINEDRAFT_API_KEY`` reach a keyed gateway."""
+    from minedraft import cli
+
+    monkeypatch.delenv("MINEDRAFT_API_KEY", raising=False)
+    assert cli.main(["generate", "hi", "--gateway", address]) == cli.EXIT_FAILED
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    assert cli.main(["generate", "hi", "--gateway", address, "--api-key", KEY]) == 0
+    monkeypatch.setenv("MINEDRAFT_API_KEY", KEY)
+    assert cli.main(["generate", "hi", "--gateway", address]) == 0
+    assert "UNAUTHENTICATED" not in capsys.readouterr().err
+
+
+def test_prompts_command_sends_the_api_key(address, monkeypatch, tmp_path, capsys):
+    from minedraft import cli
+
+    monkeypatch.delenv("MINEDRAFT_API_KEY", raising=False)
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"question_id": 1, "category": "writing", "turns": ["Hi"]}\n')
+    out = tmp_path / "metrics.json"
+    assert cli.main(["prompts", str(path), "--gateway", address, "--api-key", KEY, "--limit", "1",
+                     "--wait", "5", "--out", str(out)]) == 0
+    import json
+
+    assert json.loads(out.read_text())["num_requests"] == 1
+    with pytest.raises(grpc.RpcError) as info:
+        cli.main(["prompts", str(path), "--gateway", address, "--limit", "1", "--wait", "5"])
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
