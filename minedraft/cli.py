@@ -82,6 +82,11 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
                         "the drafter shares it)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="--engine vllm: no torch.compile / CUDA graphs (faster start, slower steps)")
+    p.add_argument("--api-key", default="", help="the gateway requires this key (authorization: Bearer KEY; "
+                                                 "default: $MINEDRAFT_API_KEY if set, else none)")
+    p.add_argument("--max-queue-len", type=int, default=1024, help="coordinator: most waiting requests "
+                                                                   "(more get RESOURCE_EXHAUSTED / HTTP 429)")
+    p.add_argument("--grace", type=float, default=5.0, help="coordinator and gateway: drain seconds on SIGTERM")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="coordinator admits at most this many prompt tokens between two steps, so running "
                         "requests keep decoding and first tokens stream sooner (0: no limit; a longer prompt "
@@ -106,7 +111,8 @@ def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
                        max_graph_prefill_tokens=args.max_graph_prefill_tokens,
                        max_num_batched_tokens=args.max_num_batched_tokens, engine=args.engine,
                        engine_python=args.engine_python, gpu_memory_utilization=args.gpu_memory_utilization,
-                       enforce_eager=args.enforce_eager)
+                       enforce_eager=args.enforce_eager, api_key=args.api_key, max_queue_len=args.max_queue_len,
+                       grace_s=args.grace)
 
 
 def add_prompts_args(p: argparse.ArgumentParser) -> None:

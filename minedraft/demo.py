@@ -70,7 +70,8 @@ def run_demo(args, stack_cfgs: list[StackConfig]) -> int:
     """Runs every mode in turn; returns 0, or 1 when a stack failed."""
     prompts_cfg = PromptsConfig(path=args.prompts_file, gateway=f"{args.host}:{args.port}", limit=args.limit,
                                 concurrency=args.concurrency, max_tokens=args.max_tokens,
-                                temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos)
+                                temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos,
+                                api_key=args.api_key or os.environ.get("MINEDRAFT_API_KEY", ""))
     model_dir = resolve_model_dir(stack_cfgs[0].target)
     by_mode: dict[str, dict] = {}
     outputs: dict[str, list] = {}

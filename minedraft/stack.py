@@ -84,6 +84,10 @@ class StackConfig:
             (``minedraft.engine_backend``); engine_python: the Python of vLLM engines ("" = found).
         gpu_memory_utilization: vLLM verifier's share of its GPU (None: ``engine_backend``'s default).
         enforce_eager: vLLM engines without torch.compile / CUDA graphs.
+        api_key: the gateway's API key ("" = the gateway's default, ``$MINEDRAFT_API_KEY`` if set);
+            passed in the gateway's environment, not on its command line.
+        max_queue_len: the coordinator's waiting-request limit; grace_s: drain seconds on SIGTERM
+            of the coordinator and the gateway.
     """
 
     mode: str = "psd"
@@ -123,6 +127,9 @@ class StackConfig:
     engine_python: str = ""
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
+    api_key: str = ""
+    max_queue_len: int = 1024
+    grace_s: float = 5.0
 
     def __post_init__(self) -> None:
         checks = {
@@ -149,6 +156,8 @@ class StackConfig:
             "max_num_batched_tokens": (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 0,
                                        "must be >= 0 (0 = no limit)"),
             "engine": (self.engine in ENGINES, f"must be one of {ENGINES}"),
+            "max_queue_len": (self.max_queue_len >= 1, "must be >= 1"),
+            "grace_s": (0 <= self.grace_s < self.stop_timeout_s, "must be >= 0 and below stop_timeout_s"),
             "gpu_memory_utilization": (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
                                        "must be in (0, 1]"),
         }
@@ -293,7 +302,8 @@ def coordinator_spec(cfg: StackConfig) -> ServiceSpec:
             "--drafter", f"{cfg.host}:{cfg.drafter_port}", "--verifier", f"{cfg.host}:{cfg.verifier_port}",
             "--host", cfg.host, "--port", str(cfg.coordinator_port), "--metrics-port", str(cfg.metrics_port),
             "--k-policy", cfg.k_policy, "--balancer", cfg.balancer,
-            "--max-num-batched-tokens", str(_batched_tokens(cfg))]
+            "--max-num-batched-tokens", str(_batched_tokens(cfg)), "--max-queue-len", str(cfg.max_queue_len),
+            "--grace", repr(cfg.grace_s)]
     if cfg.step_log:
         argv += ["--step-log", os.path.abspath(cfg.step_log)]
     return ServiceSpec("coordinator", argv, f"{cfg.host}:{cfg.coordinator_port}", env=cfg.placement.torch_free_env())
@@ -310,8 +320,9 @@ def gateway_spec(cfg: StackConfig, model_dir: str, draft_name: str) -> ServiceSp
             "--coordinator", f"{cfg.host}:{cfg.coordinator_port}", "--host", cfg.host,
             "--port", str(cfg.gateway_port), "--model-name", os.path.basename(os.path.normpath(cfg.target)),
             "--draft-name", draft_name, "--max-model-len", str(cfg.max_model_len),
-            "--http-port", str(cfg.http_port)]
-    return ServiceSpec("gateway", argv, f"{cfg.host}:{cfg.gateway_port}", env=cfg.placement.torch_free_env())
+            "--http-port", str(cfg.http_port), "--grace", repr(cfg.grace_s)]
+    env = {**cfg.placement.torch_free_env(), **({"MINEDRAFT_API_KEY": cfg.api_key} if cfg.api_key else {})}
+    return ServiceSpec("gateway", argv, f"{cfg.host}:{cfg.gateway_port}", env=env)
 
 
 def build_service_specs(cfg: StackConfig, model_dir: str) -> list[ServiceSpec]:

@@ -188,3 +188,27 @@ def test_python_dash_m_minedraft_is_the_cli(tmp_path):
     done = subprocess.run([sys.executable, "-m", "minedraft", "up", "--help"], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.startswith("usage: minedraft up"), done.stderr[-1000:]
+
+
+def test_up_passes_api_key_queue_limit_and_grace_to_the_services():
+    """Issue 25.6: ``minedraft up --api-key/--max-queue-len/--grace``; the key goes in the
+    gateway's environment only (not on a command line that ``ps`` shows)."""
+    from minedraft.cli import build_parser, stack_config
+
+    args = build_parser().parse_args(["up", "--api-key", "k3y", "--max-queue-len", "7", "--grace", "2.5",
+                                      "--draft", "/d"])
+    specs = {s.name: s for s in build_service_specs(stack_config(args, args.mode), "/target")}
+    coordinator, gateway = specs["coordinator"].argv, specs["gateway"].argv
+    assert coordinator[coordinator.index("--max-queue-len") + 1] == "7"
+    assert coordinator[coordinator.index("--grace") + 1] == "2.5" == gateway[gateway.index("--grace") + 1]
+    assert specs["gateway"].env["MINEDRAFT_API_KEY"] == "k3y"
+    assert all("k3y" not in " ".join(s.argv) for s in specs.values())
+    assert all("MINEDRAFT_API_KEY" not in s.env for name, s in specs.items() if name != "gateway")
+    plain = build_service_specs(StackConfig(draft="/d"), "/target")[-1]
+    assert "MINEDRAFT_API_KEY" not in plain.env
+
+
+@pytest.mark.parametrize("field, value", [("max_queue_len", 0), ("grace_s", -1.0), ("grace_s", 20.0)])
+def test_stack_config_refuses_bad_queue_and_grace(field, value):
+    with pytest.raises(ValueError, match=field):
+        StackConfig(**{field: value})
