@@ -10,6 +10,10 @@ Defaults and proto3 conventions (a scalar left unset reads 0 on the wire):
   like vLLM's OpenAI server, which fills the remaining context, capped by the gateway's
   ``--max-default-tokens`` so an unbounded request cannot hold a slot for the whole context.
 - ``n`` 0 (unset) = 1; n > 1 is refused (one sample per request is served).
+- a field the schema does not know, or a known field sent with the wrong wire type (protobuf keeps
+  both as unknown fields and would run the request on defaults), is refused, naming the message it
+  came in; so are a ``request_id`` over ``MAX_REQUEST_ID_CHARS`` and a stop string over
+  ``MAX_STOP_STRING_CHARS`` characters.
 - ``messages[i].role`` is one of ``CHAT_ROLES``: the chat template renders role and content only,
   so ``developer`` (unknown to most templates), ``tool`` (needs tool_call_id; tools are not
   served) and any other role are refused.
@@ -32,6 +36,8 @@ NUM_SAMPLES_SERVED = 1
 MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = ("system", "user", "assistant")
 PROMPT_BYTES_SLACK = 2  # a tokenizer's normalizer (e.g. NFC) may shrink text before it is split
+MAX_REQUEST_ID_CHARS = 512
+MAX_STOP_STRING_CHARS = 1024
 
 
 class InvalidRequestError(ValueError):
@@ -134,6 +140,9 @@ def _check_sampling(s: common_pb2.SamplingParams, vocab_size: int, max_num_stops
         raise InvalidRequestError("sampling.stop", f"at most {max_num_stops} stop strings, got {len(s.stop)}")
     if any(not stop for stop in s.stop):
         raise InvalidRequestError("sampling.stop", "stop strings must not be empty")
+    if any(len(stop) > MAX_STOP_STRING_CHARS for stop in s.stop):
+        raise InvalidRequestError("sampling.stop", f"stop strings of at most {MAX_STOP_STRING_CHARS} characters, got "
+                                                   f"{max(len(stop) for stop in s.stop)}")
     bad = [t for t in s.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError("sampling.stop_token_ids", f"ids out of [0, {vocab_size}): {bad[:5]}")
@@ -156,7 +165,32 @@ def _resolve_max_tokens(requested: int, prompt_len: int, cfg: GatewayConfig) -> 
     return requested
 
 
+def _check_wire(message, path: str) -> None:
+    """Refuse unknown fields (or known ones with the wrong wire type) in ``message`` and in every
+    sub-message it holds, naming where they came."""
+    from google.protobuf import unknown_fields
+
+    unknown = unknown_fields.UnknownFieldSet(message)
+    if len(unknown):
+        numbers = sorted({field.field_number for field in unknown})
+        raise InvalidRequestError(path or "request", f"unknown field number(s) {numbers}, or a field sent with "
+                                                     "the wrong wire type (see protos/minedraft/v1)")
+    for descriptor, value in message.ListFields():
+        if descriptor.message_type is None:
+            continue
+        name = f"{path}.{descriptor.name}" if path else descriptor.name
+        if descriptor.is_repeated:
+            for index, item in enumerate(value):
+                _check_wire(item, f"{name}[{index}]")
+        else:
+            _check_wire(value, name)
+
+
 def _check_request_fields(request: generate_pb2.GenerateRequest, cfg: GatewayConfig) -> None:
+    _check_wire(request, "")
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got "
+                                                f"{len(request.request_id)}")
     if request.model and request.model != cfg.model_name:
         raise InvalidRequestError("model", f"unknown model {request.model!r}; served: {cfg.model_name!r}")
     if request.n < 0:

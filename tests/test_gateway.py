@@ -74,6 +74,8 @@ BAD_REQUESTS = [
     (dict(prompt_token_ids=[]), "prompt_token_ids"),
     (dict(prompt_token_ids=[49152]), "prompt_token_ids"),
     (dict(messages=[]), "messages"),
+    (dict(prompt="hi", stop=["x" * 1025]), "sampling.stop"),               # issue 25.4: over-long stop string
+    (dict(prompt="hi", request_id="r" * 513), "request_id"),             # and request id
 ]
 
 
@@ -239,4 +241,23 @@ def test_message_over_the_size_limit_is_refused_and_the_gateway_keeps_serving(cl
         with pytest.raises(grpc.RpcError) as info:
             big_client.generate(prompt="x" * (65 * 1024 * 1024), max_tokens=1)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert [m.id for m in client.list_models()] == [MODEL_NAME]
+
+
+@pytest.mark.parametrize("body, where", [
+    (bytes([0x1A, 2, 0x68, 0x69, 0x30, 0x05]), "request"),                 # prompt "hi" + sampling (6) as a varint
+    (bytes([0x1A, 2, 0x68, 0x69, 0xC8, 0x3E, 0x01]), "request"),           # prompt "hi" + field 1001
+    (bytes([0x1A, 2, 0x68, 0x69, 0x32, 0x03, 0xF8, 0x06, 0x01]), "sampling"),  # unknown field inside sampling
+    (bytes([0x22, 0x07, 0x0A, 0x05, 0x0A, 0x01, 0x75, 0x58, 0x01]), "messages.messages[0]"),  # inside a message
+])
+def test_unknown_fields_and_wrong_wire_types_are_refused_naming_where(client, stack, body, where):
+    """Issue 25.4: protobuf keeps such fields as unknown and the request would run on defaults."""
+    _, port = stack
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_stream("/minedraft.v1.MineDraft/Generate", request_serializer=None,
+                                    response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call(body, timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(f"{where}: unknown field number"), info.value.details()
     assert [m.id for m in client.list_models()] == [MODEL_NAME]
