@@ -58,7 +58,8 @@ _TYPE_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error", 40
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """The OpenAI error shape ``{"error": {message, type, param, code}}``."""
-    return {"error": {"message": message, "type": _TYPE_OF_STATUS.get(status, "internal_error"),
+    default_type = "invalid_request_error" if 400 <= status < 500 else "internal_error"   # e.g. 405, 413
+    return {"error": {"message": message, "type": _TYPE_OF_STATUS.get(status, default_type),
                       "param": param, "code": code}}
 
 

@@ -186,3 +186,16 @@ def test_text_too_long_to_fit_is_refused_without_tokenizing(prompt_tokenizer, mo
     monkeypatch.undo()
     fits = generate_pb2.GenerateRequest(prompt="a" * 60)  # a short prompt still goes through the tokenizer
     assert len(prepare_request(fits, prompt_tokenizer, cfg).prompt_token_ids) < cfg.max_model_len
+
+
+def test_a_wrong_method_is_a_client_error_not_an_internal_one(gateway):
+    """Issue 25.6: 405 (GET on a POST route) was typed internal_error."""
+    _, port = gateway
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/v1/chat/completions")
+        response = conn.getresponse()
+        body = json.loads(response.read().decode())
+    finally:
+        conn.close()
+    assert response.status == 405 and body["error"]["type"] == "invalid_request_error"
