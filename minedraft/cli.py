@@ -93,6 +93,16 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
                         "is admitted alone; default as vLLM: 4096 on cpu, 8192 on cuda)")
 
 
+DEFAULT_GATEWAY_PORT, DEFAULT_DIST_PORT, DIST_PORT_SPAN = 50051, 29600, 30000
+
+
+def dist_port_for(gateway_port: int) -> int:
+    """The data plane's TCPStore port (and so the ipc plane's shared-file name) of a stack on
+    ``gateway_port``: 29600 for the default 50051, and as far from it as the gateway port is, so
+    two stacks on one host (``--port``) do not share a rendezvous."""
+    return DEFAULT_DIST_PORT + (gateway_port - DEFAULT_GATEWAY_PORT) % DIST_PORT_SPAN
+
+
 def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
     """StackConfig from the ``up`` flags (raises ValueError naming a bad field)."""
     return StackConfig(mode=mode, num_speculative_tokens=args.k, max_num_seqs=args.max_num_seqs,
@@ -105,6 +115,7 @@ def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
                        cuda_mps=args.cuda_mps, bench_fixed_acceptance=args.bench_fixed_acceptance,
                        is_pinned=not args.no_pin, host=args.host, gateway_port=args.port, http_port=args.http_port,
                        coordinator_port=args.port + 1, drafter_port=args.port + 2, verifier_port=args.port + 3,
+                       dist_port=dist_port_for(args.port),
                        runs_dir=args.runs_dir, startup_timeout_s=args.startup_timeout,
                        metrics_port=args.metrics_port, step_log=args.step_log, k_policy=args.k_policy,
                        balancer=args.balancer, max_prefill_tokens=args.max_prefill_tokens,

@@ -212,3 +212,18 @@ def test_up_passes_api_key_queue_limit_and_grace_to_the_services():
 def test_stack_config_refuses_bad_queue_and_grace(field, value):
     with pytest.raises(ValueError, match=field):
         StackConfig(**{field: value})
+
+
+def test_two_stacks_on_one_host_get_their_own_data_plane_rendezvous():
+    """Issue 25.6: --port moves the dist plane's TCPStore port and the ipc plane's file name too."""
+    from minedraft.cli import build_parser, stack_config
+
+    def plane(port: int) -> tuple[int, str]:
+        args = build_parser().parse_args(["up", "--port", str(port), "--draft", "/d"])
+        cfg = stack_config(args, args.mode)
+        verifier = build_service_specs(cfg, "/target")[0].argv
+        return cfg.dist_port, verifier[verifier.index("--ipc-name") + 1]
+
+    assert plane(50051) == (29600, "stack-29600")          # the documented default
+    assert plane(52051)[0] == 31600 and plane(52051) != plane(50051) != plane(50061)
+    assert all(1 <= plane(p)[0] <= 65535 for p in (1, 8000, 65535))
