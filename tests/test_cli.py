@@ -226,4 +226,4 @@ def test_two_stacks_on_one_host_get_their_own_data_plane_rendezvous():
 
     assert plane(50051) == (29600, "stack-29600")          # the documented default
     assert plane(52051)[0] == 31600 and plane(52051) != plane(50051) != plane(50061)
-    assert all(1 <= plane(p)[0] <= 65535 for p in (1, 8000, 65535))
+    assert all(1 <= plane(p)[0] <= 65535 for p in (1, 8000, 65532))   # 65532: its verifier gets 65535
