@@ -137,6 +137,11 @@ def merge(out_dir: str, result_files: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    merge(sys.argv[1], sys.argv[2:])   # python -m bench.report_compare OUT_DIR RESULTS_JSON...
+    parser = argparse.ArgumentParser(prog="python -m bench.report_compare",
+                                     description="merge the results.json of several device calls of one lease")
+    parser.add_argument("out_dir")
+    parser.add_argument("results", nargs="+", help="results.json files (each with its outputs.json beside it)")
+    args = parser.parse_args()
+    merge(args.out_dir, args.results)
