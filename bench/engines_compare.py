@@ -44,6 +44,7 @@ from bench.compare_systems import OursServer, VllmServer, parse_system
 from bench.loadgen import LoadConfig, load_spec_bench, run_load
 from bench.report_compare import markdown, ratios_by_concurrency, greedy_vs_reference
 from bench.stats import SpecCounts, spec_counts_from_usage, step_split, summarize
+from bench.suite import git_commit, machine
 from minedraft.prompts import write_json
 
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "spec_bench",
@@ -142,7 +143,7 @@ def run_compare(cfg: CompareConfig, command: str) -> dict:
     prompts = load_spec_bench(cfg.data, max(cfg.num_requests(c) for c in cfg.concurrencies))
     deadline = time.monotonic() + (cfg.time_budget_s or float("inf"))
     meta = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "git_commit": _git_commit(), "command": command, "config": asdict(cfg), "machine": _machine()}
+            "git_commit": git_commit(), "command": command, "config": asdict(cfg), "machine": _machine()}
     records, failures = [], []
     for name in cfg.systems:
         if time.monotonic() > deadline:
@@ -170,14 +171,8 @@ def write_results(cfg: CompareConfig, meta: dict, records: list[dict], failures:
     return results
 
 
-def _git_commit() -> str:
-    import subprocess
-
-    proc = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    return proc.stdout.strip() or os.environ.get("MINEDRAFT_COMMIT", "unknown")
-
-
 def _machine() -> str:
+    """The GPUs when torch sees any, else ``bench.suite.machine()`` (CPU, cores, memory)."""
     try:
         import torch
 
@@ -185,7 +180,7 @@ def _machine() -> str:
             return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}"
     except ImportError:
         pass
-    return f"cpu x{len(os.sched_getaffinity(0))}"
+    return machine()
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -37,7 +37,9 @@ def engine_facts(engine, cfg) -> EngineFacts:
     hf = model_config.hf_config
     eos = getattr(hf, "eos_token_id", None)
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-    dtype_bytes = 4 if cfg.dtype == "float32" else 2
+    from minedraft.capacity import DTYPE_BYTES
+
+    dtype_bytes = DTYPE_BYTES[cfg.dtype]
     per_token = (2 * model_config.get_num_layers(parallel) * model_config.get_num_kv_heads(parallel)
                  * model_config.get_head_size() * dtype_bytes)
     cache = engine.vllm_config.cache_config

@@ -24,8 +24,8 @@ from specdec.engine_api import EngineFacts
 from specdec.errors import CapacityError
 from specdec.sampling import SamplingParams
 from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
-from specdec.vllm_backend.engine import (VllmEngineConfig, build_engine, kv_cache_tokens, refusals_as_value_errors,
-                                         scheduler_of, to_vllm_sampling)
+from specdec.vllm_backend.engine import (VllmEngineConfig, build_engine, refusals_as_value_errors, scheduler_of,
+                                         to_vllm_sampling)
 from specdec.vllm_backend.outputs import collect_step, engine_facts, step_output
 from specdec.vllm_backend.scheduler import PsdStep
 
@@ -187,7 +187,3 @@ class VllmTargetWorker:
     @property
     def num_active(self) -> int:
         return len(self._requests)
-
-    @property
-    def kv_cache_tokens(self) -> int:
-        return kv_cache_tokens(self.engine)
