@@ -70,7 +70,7 @@ class OursServer(OursSystem):
             data_plane="inline" if system.engine == "vllm" or not is_cuda else "ipc",
             gateway_port=gateway, coordinator_port=coordinator, drafter_port=drafter, verifier_port=verifier,
             dist_port=dist, http_port=http, step_log=self._step_log, runs_dir=logs_dir,
-            startup_timeout_s=cfg.startup_timeout_s)
+            startup_timeout_s=cfg.startup_timeout_s, num_decode_steps=cfg.decode_steps)
         self._stack = Stack(stack, run_dir=logs_dir)
         self._model_dir = resolve_model_dir(cfg.target)
         self.endpoint = Endpoint(f"http://127.0.0.1:{http}/v1", os.path.basename(os.path.normpath(cfg.target)),

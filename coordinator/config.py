@@ -31,6 +31,7 @@ class DataPlaneKind(enum.StrEnum):
     INLINE = "inline"  # DraftResponse.draft_probs -> coordinator -> VerifyRequest.draft_probs
     DIST = "dist"  # torch.distributed drafter -> verifier; the coordinator passes step ids only
 
+MAX_DECODE_STEPS = 64  # the verifier's limit of VerifyRequest.num_decode_steps
 NO_TOKEN_BUDGET = 0  # max_num_batched_tokens: no limit on prompt tokens admitted per step
 
 
@@ -64,6 +65,10 @@ class CoordinatorConfig:
             vLLM's scheduler budget of the same name; the queue's head is always admitted, however
             long. Smaller budgets stream first tokens sooner and let running requests decode
             between admissions. :data:`NO_TOKEN_BUDGET` (0): no limit.
+        num_decode_steps: tokens per request and Verify call when a step runs ``ar`` (multi-step
+            decoding, as vLLM V0's ``--num-scheduler-steps``): the verifier decodes that many in
+            one call, saving a coordinator round trip per token; streams get that many tokens
+            per chunk, and newcomers wait up to that many tokens for admission. 1: one per call.
     """
 
     mode: Mode = Mode.PSD
@@ -84,6 +89,7 @@ class CoordinatorConfig:
     k_policy: str = "fixed"
     balancer: str = "paper"
     max_num_batched_tokens: int = 0
+    num_decode_steps: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _enum_field("mode", Mode, self.mode))
@@ -102,6 +108,8 @@ class CoordinatorConfig:
         _require(self.grace_s >= 0, "grace_s", "must be >= 0")
         _require(self.max_num_batched_tokens >= NO_TOKEN_BUDGET, "max_num_batched_tokens",
                  f"must be >= {NO_TOKEN_BUDGET} ({NO_TOKEN_BUDGET} = no limit)")
+        _require(1 <= self.num_decode_steps <= MAX_DECODE_STEPS, "num_decode_steps",
+                 f"must be in [1, {MAX_DECODE_STEPS}]")
         _require(0 <= self.metrics_port <= MAX_PORT, "metrics_port", f"must be in [0, {MAX_PORT}] (0 = off)")
 
     @property

@@ -40,3 +40,11 @@ class ContextLimits:
         is_target_ok = not self.verifier_max_model_len or num_committed_tokens + k <= self.verifier_max_model_len
         is_draft_ok = not self.drafter_max_model_len or num_committed_tokens + k - 1 <= self.drafter_max_model_len
         return is_target_ok and is_draft_ok
+
+    def decode_room(self, num_committed_tokens: int) -> int:
+        """Plain decode steps the target KV has room for (each step adds the pending token's KV
+        and commits one more; vLLM stops a request at ``max_model_len`` tokens); a large number
+        when the limit is unknown."""
+        if not self.verifier_max_model_len:
+            return 1 << 30
+        return self.verifier_max_model_len - num_committed_tokens

@@ -185,13 +185,17 @@ class EngineClients:
         return DraftResult(drafts, response.draft_ms, response.data_plane_ms, wall_ms)
 
     async def verify(
-        self, step_id: int, request_ids: list[str], drafts: list[PendingDrafts] | None, data_plane: int
+        self, step_id: int, request_ids: list[str], drafts: list[PendingDrafts] | None, data_plane: int,
+        num_decode_steps: int = 1,
     ) -> tuple[engine_pb2.VerifyResponse, float]:
         """Verify ``request_ids`` with ``drafts`` (one per request, all from one drafter step; rows
         may differ in k_i: ``VerifyRequest.num_draft_tokens``), or decode them (``drafts`` None:
-        k = 0). Returns (response, wall ms). Raises grpc.aio.AioRpcError.
+        k = 0; ``num_decode_steps`` tokens each in this one call). Returns (response, wall ms).
+        Raises grpc.aio.AioRpcError.
         """
         request = engine_pb2.VerifyRequest(step_id=step_id, request_ids=request_ids)
+        if not drafts and num_decode_steps > 1:
+            request.num_decode_steps = num_decode_steps
         if drafts:
             request.draft_token_ids.CopyFrom(encode_token_ids([d.token_ids for d in drafts], is_ragged=True))
             request.num_draft_tokens.extend(len(d.token_ids) for d in drafts)

@@ -62,8 +62,9 @@ class StepLoop:
         groups = _verify_groups(spec_reqs, [r for r in verify_reqs if r not in spec_reqs])
         ahead_spec = self._speculative(ahead_reqs) if mode == Mode.PSD else []
         verify_start_s = time.time()
-        calls = [self.engines.verify(self.step_id, [r.request_id for r in reqs], d, self._data_plane)
-                 for reqs, d in groups]
+        num_steps = [self._num_decode_steps(reqs) if mode == Mode.AR else 1 for reqs, _ in groups]
+        calls = [self.engines.verify(self.step_id, [r.request_id for r in reqs], d, self._data_plane, n)
+                 for (reqs, d), n in zip(groups, num_steps)]
         if ahead_spec and self.mode != Mode.AR:
             calls.append(self._draft(ahead_spec, times, 1 - verify_batch, mode))
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -71,14 +72,14 @@ class StepLoop:
             if isinstance(result, BaseException):
                 raise result
         num_emitted, accepted, num_spec_tokens = 0, [], []
-        for (reqs, d), (response, verify_rpc_ms) in zip(groups, results[: len(groups)]):
+        for (reqs, d), n, (response, verify_rpc_ms) in zip(groups, num_steps, results[: len(groups)]):
             times.phases.append(Phase("verifier", verify_batch, verify_start_s, response.verify_ms, verify_rpc_ms,
                                       len(reqs)))
             times.verify_ms += response.verify_ms
             times.data_plane_ms += response.data_plane_ms
             # verify cost is fitted at the call's widest row (its padded width on a GPU)
             self.spec_stats.cost.observe_verify(len(reqs), max((len(x.token_ids) for x in d or ()), default=NO_DRAFT),
-                                                response.verify_ms)
+                                                response.verify_ms / n)   # per decode step
             group_emitted, group_accepted, group_ks = self._postprocess(reqs, d, response)
             num_emitted += group_emitted
             accepted += group_accepted if d else []
@@ -110,6 +111,17 @@ class StepLoop:
                 request.drafts = None
             await self._draft(candidates, times, batch, mode)  # sd part: drafts needed before this verify
         return [r for r in candidates if r.drafts is not None]
+
+    def _num_decode_steps(self, requests: list[RequestState]) -> int:
+        """Tokens per request that this ``ar`` step's Verify call decodes: ``num_decode_steps``,
+        at most what the request with the most left still needs (``max_tokens``) and what the
+        fullest context window leaves (``coordinator.context_window``)."""
+        n = self.cfg.num_decode_steps
+        if n == 1 or not requests:
+            return 1
+        wanted = max(r.finish_params.max_tokens - len(r.output_token_ids) for r in requests)
+        room = min(self.limits.decode_room(len(r.prompt_token_ids) + len(r.output_token_ids)) for r in requests)
+        return max(1, min(n, wanted, room))
 
     def _speculative(self, requests: list[RequestState]) -> list[RequestState]:
         """The requests with room for k_max draft tokens in both engines' KV (``coordinator.context_window``)

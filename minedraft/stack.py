@@ -88,6 +88,8 @@ class StackConfig:
             passed in the gateway's environment, not on its command line.
         max_queue_len: the coordinator's waiting-request limit; grace_s: drain seconds on SIGTERM
             of the coordinator and the gateway.
+        num_decode_steps: the coordinator's ``--decode-steps`` (tokens per request and Verify
+            call in ``ar`` steps: multi-step decoding; 1 = one).
     """
 
     mode: str = "psd"
@@ -130,6 +132,7 @@ class StackConfig:
     api_key: str = ""
     max_queue_len: int = 1024
     grace_s: float = 5.0
+    num_decode_steps: int = 1
 
     def __post_init__(self) -> None:
         checks = {
@@ -157,6 +160,7 @@ class StackConfig:
                                        "must be >= 0 (0 = no limit)"),
             "engine": (self.engine in ENGINES, f"must be one of {ENGINES}"),
             "max_queue_len": (self.max_queue_len >= 1, "must be >= 1"),
+            "num_decode_steps": (1 <= self.num_decode_steps <= 64, "must be in [1, 64]"),
             "grace_s": (0 <= self.grace_s < self.stop_timeout_s, "must be >= 0 and below stop_timeout_s"),
             "gpu_memory_utilization": (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
                                        "must be in (0, 1]"),
@@ -303,7 +307,7 @@ def coordinator_spec(cfg: StackConfig) -> ServiceSpec:
             "--host", cfg.host, "--port", str(cfg.coordinator_port), "--metrics-port", str(cfg.metrics_port),
             "--k-policy", cfg.k_policy, "--balancer", cfg.balancer,
             "--max-num-batched-tokens", str(_batched_tokens(cfg)), "--max-queue-len", str(cfg.max_queue_len),
-            "--grace", repr(cfg.grace_s)]
+            "--grace", repr(cfg.grace_s), "--decode-steps", str(cfg.num_decode_steps)]
     if cfg.step_log:
         argv += ["--step-log", os.path.abspath(cfg.step_log)]
     return ServiceSpec("coordinator", argv, f"{cfg.host}:{cfg.coordinator_port}", env=cfg.placement.torch_free_env())

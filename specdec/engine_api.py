@@ -78,6 +78,10 @@ class TargetEngine(Protocol):
     def verify(self, request_ids: list[str], draft_token_ids: list[list[int]], draft_probs) -> list:
         """Verify row i's k_i draft tokens (0: decode); ``StepOutput`` of accepted + 1 tokens each."""
 
+    def decode(self, request_ids: list[str], num_steps: int) -> list:
+        """``num_steps`` plain decode steps in one call (multi-step decoding); ``StepOutput`` of up
+        to ``num_steps`` tokens each (fewer for a row that reaches the context window)."""
+
     def release(self, request_id: str) -> None: ...
 
 

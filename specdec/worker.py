@@ -26,7 +26,7 @@ from specdec.fixed_acceptance import FixedAcceptance, fixed_acceptance_sample
 from specdec.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
-from specdec.worker_base import DraftCapacityError, RequestState, StepOutput, Worker, top_logprobs
+from specdec.worker_base import DraftCapacityError, RequestState, StepOutput, Worker, decode_steps, top_logprobs
 from specdec.worker_base import tracer as _tracer
 
 __all__ = ["DraftCapacityError", "DraftWorker", "StepOutput", "TargetWorker", "top_logprobs"]
@@ -123,6 +123,10 @@ class TargetWorker(Worker):
         logprobs = logits.log_softmax(dim=-1)
         return [self._commit(rid, state, kv_len, output[row], int(num_accepted[row]), logprobs[row])
                 for row, (rid, state, kv_len) in enumerate(zip(request_ids, states, kv_lens))]
+
+    def decode(self, request_ids: list[str], num_steps: int) -> list[StepOutput]:
+        """``num_steps`` decode steps in one call (``specdec.worker_base.decode_steps``)."""
+        return decode_steps(self, request_ids, num_steps)
 
     def _sample(self, states: list[RequestState], draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                 logits: torch.Tensor, num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

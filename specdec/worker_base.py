@@ -53,6 +53,30 @@ def top_logprobs(logprobs: torch.Tensor, num_top: int) -> list[tuple[list[int], 
     return list(zip(indices.tolist(), values.tolist()))
 
 
+def decode_steps(worker, request_ids: list[str], num_steps: int) -> list[StepOutput]:
+    """``num_steps`` plain decode steps (``worker.verify`` with k = 0) of ``request_ids``, merged
+    into one ``StepOutput`` per request (multi-step decoding: one engine call for several
+    tokens). A step that hits the context window after the first stops the loop (it changes no
+    state), so every row then has the same, smaller, number of tokens.
+
+    Raises:
+        ValueError: ``num_steps`` < 1; otherwise as ``worker.verify`` (first step only).
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps: must be >= 1, got {num_steps}")
+    merged = worker.verify(request_ids, [[] for _ in request_ids], None)
+    for _ in range(num_steps - 1):
+        try:
+            step = worker.verify(request_ids, [[] for _ in request_ids], None)
+        except CapacityError:
+            break
+        for out, new in zip(merged, step):
+            out.token_ids += new.token_ids
+            out.logprobs += new.logprobs
+            out.top_logprobs += new.top_logprobs
+    return merged
+
+
 class DraftCapacityError(CapacityError):
     """Drafting would push some requests past the draft model's ``max_model_len``.
 

@@ -64,6 +64,7 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
         self.committed: dict[str, list[int]] = {}
         self.delay_s, self.drafter, self.num_prob_rows, self.max_slots_used = delay_s, None, 0, 0
         self.num_dist_fetches, self.is_failing = 0, False
+        self.decode_steps_seen: list[int] = []   # VerifyRequest.num_decode_steps > 1 seen
 
     async def AddRequests(self, request, context):
         if any(BAD_TOKEN in seq.prompt_token_ids for seq in request.seqs):  # all or nothing, like the real one
@@ -90,6 +91,10 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
         elif request.has_draft_probs:  # dist: probs come from the drafter, never through the coordinator
             assert request.data_plane == engine_pb2.DATA_PLANE_DIST and not request.HasField("draft_probs")
             self.num_dist_fetches += 1
+        if request.num_decode_steps > 1:  # multi-step decoding: plain decode only
+            assert not any(rows)
+            self.decode_steps_seen.append(request.num_decode_steps)
+            return self._decode(request)
         outputs = []
         for request_id, drafts in zip(request.request_ids, rows):
             seq = self.committed[request_id]
@@ -107,6 +112,16 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
             accepted = len(out) - 1
             outputs.append(engine_pb2.SeqOutput(request_id=request_id, token_ids=out, num_accepted=accepted,
                                                 logprobs=[-0.25] * len(out)))
+        return engine_pb2.VerifyResponse(step_id=request.step_id, outputs=outputs, verify_ms=self.delay_s * 1e3)
+
+    def _decode(self, request):
+        outputs = []
+        for request_id in request.request_ids:
+            seq, out = self.committed[request_id], []
+            for _ in range(request.num_decode_steps):
+                out.append(toy_next(seq + out))
+            seq += out
+            outputs.append(engine_pb2.SeqOutput(request_id=request_id, token_ids=out, logprobs=[-0.25] * len(out)))
         return engine_pb2.VerifyResponse(step_id=request.step_id, outputs=outputs, verify_ms=self.delay_s * 1e3)
 
     def _check_probs(self, request) -> None:

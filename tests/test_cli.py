@@ -208,7 +208,16 @@ def test_up_passes_api_key_queue_limit_and_grace_to_the_services():
     assert "MINEDRAFT_API_KEY" not in plain.env
 
 
-@pytest.mark.parametrize("field, value", [("max_queue_len", 0), ("grace_s", -1.0), ("grace_s", 20.0)])
+def test_up_passes_decode_steps_to_the_coordinator():
+    from minedraft.cli import build_parser, stack_config
+
+    args = build_parser().parse_args(["up", "--mode", "ar", "--decode-steps", "8"])
+    coordinator = {s.name: s for s in build_service_specs(stack_config(args, args.mode), "/target")}["coordinator"].argv
+    assert coordinator[coordinator.index("--decode-steps") + 1] == "8"
+
+
+@pytest.mark.parametrize("field, value", [("max_queue_len", 0), ("grace_s", -1.0), ("grace_s", 20.0),
+                                          ("num_decode_steps", 0), ("num_decode_steps", 65)])
 def test_stack_config_refuses_bad_queue_and_grace(field, value):
     with pytest.raises(ValueError, match=field):
         StackConfig(**{field: value})

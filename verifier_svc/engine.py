@@ -27,6 +27,7 @@ from verifier_svc.tp import CMD_ADD, CMD_RELEASE, CMD_SHUTDOWN, CMD_VERIFY, PROB
 
 logger = logging.getLogger(__name__)
 _SEED_BITS = 63
+MAX_DECODE_STEPS = 64   # VerifyRequest.num_decode_steps
 _tracer = trace.get_tracer("minedraft.verifier")  # spans: children of the Verify RPC's server span
 
 
@@ -93,6 +94,7 @@ class VerifierEngine:
         draft_ids = self._draft_token_ids(request, len(ids))
         ks = _row_ks(request, len(ids), draft_ids.shape[1])
         _check_draft_ids(ids, draft_ids, ks, self.worker.facts().input_vocab_size)
+        _check_decode_steps(request.num_decode_steps, max(ks, default=0))
         start = time.perf_counter()
         with _tracer.start_as_current_span("verifier.data_plane_receive"):  # + broadcast to TP ranks
             probs = self._draft_probs(request, plane, ids, draft_ids, ks)
@@ -163,6 +165,8 @@ class VerifierEngine:
         ids = list(command.request_ids)
         draft_ids = self._draft_token_ids(command, len(ids))
         ks = _row_ks(command, len(ids), draft_ids.shape[1])
+        if command.num_decode_steps > 1:
+            return [to_seq_output(step) for step in self.worker.decode(ids, command.num_decode_steps)]
         steps = self.worker.verify(ids, [row[:k_i] for row, k_i in zip(draft_ids.tolist(), ks)], probs)
         return [to_seq_output(step) for step in steps]
 
@@ -228,3 +232,11 @@ def _check_probs_values(request_ids: list[str], probs: torch.Tensor, draft_ids: 
         if not bool(torch.isfinite(q).all()) or bool((q < 0).any()) or bool((q_draft <= 0).any()):
             raise ValueError(f"draft_probs of {request_id!r} must be finite and >= 0 with q(draft token) > 0 "
                              f"at positions < num_draft_tokens={k_i}")
+
+
+def _check_decode_steps(num_decode_steps: int, k: int) -> None:
+    """``VerifyRequest.num_decode_steps``: at most ``MAX_DECODE_STEPS``, and > 1 only without drafts."""
+    if num_decode_steps > MAX_DECODE_STEPS:
+        raise ValueError(f"num_decode_steps: must be <= {MAX_DECODE_STEPS}, got {num_decode_steps}")
+    if num_decode_steps > 1 and k > 0:
+        raise ValueError(f"num_decode_steps: > 1 only for plain decoding (k = 0), got k = {k}")

@@ -29,7 +29,7 @@ from specdec.engine_api import EngineFacts
 from specdec.errors import CapacityError
 from specdec.sampling import SamplingParams
 from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
-from specdec.vllm_backend.engine import VllmEngineConfig, build_engine, refusals_as_value_errors, to_vllm_sampling
+from specdec.vllm_backend.engine import VllmEngineConfig, build_engine, drain, refusals_as_value_errors, to_vllm_sampling
 from specdec.vllm_backend.outputs import collect_step, engine_facts
 from specdec.worker_base import DraftCapacityError
 
@@ -161,6 +161,7 @@ class VllmDraftWorker:
                     if output.finish_reason is not None:
                         pending.discard(name)
                 if not pending:
+                    drain(self.engine)   # async scheduling: a step scheduled past the end
                     return tokens
             raise RuntimeError(f"vLLM drafting did not finish: {sorted(pending)}")
         except BaseException:

@@ -31,6 +31,7 @@ from specdec.sampling import TOP_K_OFF, SamplingParams
 logger = logging.getLogger(__name__)
 
 SCHEDULER_CLS = "specdec.vllm_backend.scheduler.PsdScheduler"
+ASYNC_SCHEDULER_CLS = "specdec.vllm_backend.scheduler.PsdAsyncScheduler"
 PROPOSER_CLS = "specdec.vllm_backend.proposer.ExternalDraftProposer"
 DEVICES = ("cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy", "safetensors")
@@ -66,6 +67,9 @@ class VllmEngineConfig:
         max_num_batched_tokens: tokens per engine step (None: ``max(max_model_len,
             max_num_seqs * (k + 1))``, so one step holds a whole verify batch or a whole prompt).
         seed: vLLM's global seed (requests carry their own seeds).
+        async_scheduling: vLLM's async scheduling (step i + 1 scheduled while step i runs), for
+            an engine without speculation (the drafter, and the verifier of ``ar``); vLLM's CPU
+            platform turns it off. The scheduler is ``PsdAsyncScheduler`` then.
     """
 
     model: str
@@ -83,6 +87,7 @@ class VllmEngineConfig:
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int | None = None
     seed: int = 0
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         checks = {
@@ -102,6 +107,8 @@ class VllmEngineConfig:
             "kv_cache_space_gib": (self.kv_cache_space_gib > 0, "must be > 0"),
             "max_num_batched_tokens": (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
                                        "must be >= 1"),
+            "async_scheduling": (not self.async_scheduling or self.num_speculative_tokens == 0,
+                                 "needs num_speculative_tokens 0 (verify steps are one per call)"),
         }
         for name, (is_ok, reason) in checks.items():
             if not is_ok:
@@ -145,8 +152,9 @@ def build_engine(cfg: VllmEngineConfig):
         max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.batched_tokens, tensor_parallel_size=cfg.tensor_parallel_size,
         load_format=cfg.load_format, enforce_eager=cfg.enforce_eager,
-        enable_prefix_caching=cfg.enable_prefix_caching, scheduler_cls=SCHEDULER_CLS,
-        speculative_config=cfg.speculative_config(), async_scheduling=False, disable_log_stats=True,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        scheduler_cls=ASYNC_SCHEDULER_CLS if cfg.async_scheduling else SCHEDULER_CLS,
+        speculative_config=cfg.speculative_config(), async_scheduling=cfg.async_scheduling, disable_log_stats=True,
         **({"gpu_memory_utilization": cfg.gpu_memory_utilization} if cfg.device == "cuda"
            else {"kv_cache_memory_bytes": int(cfg.kv_cache_space_gib * 2**30)}))
     engine = LLMEngine.from_engine_args(args)
@@ -159,13 +167,27 @@ def build_engine(cfg: VllmEngineConfig):
 
 
 def scheduler_of(engine):
-    """The engine core's ``PsdScheduler`` (the engine core runs in this process)."""
-    from specdec.vllm_backend.scheduler import PsdScheduler
+    """The engine core's ``PsdScheduler`` / ``PsdAsyncScheduler`` (the engine core runs in this process)."""
+    from specdec.vllm_backend.scheduler import PsdSchedulerMixin
 
     scheduler = engine.engine_core.engine_core.scheduler
-    if not isinstance(scheduler, PsdScheduler):
+    if not isinstance(scheduler, PsdSchedulerMixin):
         raise RuntimeError(f"expected PsdScheduler in the engine core, got {type(scheduler).__name__}")
     return scheduler
+
+
+def drain(engine, on_output=None, max_steps: int = 64) -> None:
+    """Step until async scheduling's batch queue is empty (nothing left in flight between
+    calls; a synchronous engine has no queue). ``on_output(request id, CompletionOutput)`` gets
+    any output those steps return. Raises RuntimeError if it does not drain in ``max_steps``."""
+    core = engine.engine_core.engine_core
+    for _ in range(max_steps):
+        if not getattr(core, "batch_queue", None):
+            return
+        for out in engine.step():
+            if out.outputs and on_output is not None:
+                on_output(out.request_id, out.outputs[0])
+    raise RuntimeError("vLLM's batch queue did not drain")
 
 
 def kv_cache_tokens(engine) -> int:

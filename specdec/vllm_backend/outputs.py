@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 from specdec.engine_api import EngineFacts
 from specdec.worker_base import StepOutput
@@ -12,6 +13,25 @@ def collect_step(request_outputs) -> dict:
     """{request id (the one given to ``add_request``): ``CompletionOutput`` delta} of one
     ``LLMEngine.step()``; requests without new tokens are absent."""
     return {out.request_id: out.outputs[0] for out in request_outputs if out.outputs}
+
+
+@dataclass
+class StepDelta:
+    """One request's ``CompletionOutput`` deltas of one call, merged: the tokens and their
+    logprobs in order, how many model steps gave tokens, vLLM's finish reason if it ended."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    num_steps: int = 0
+    finish_reason: str | None = None
+
+    def add(self, output) -> None:
+        """Append one step's ``CompletionOutput`` delta."""
+        self.token_ids += output.token_ids
+        if output.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(output.logprobs)
+        self.num_steps += 1
+        self.finish_reason = output.finish_reason or self.finish_reason
 
 
 def step_output(request_id: str, output, num_draft_tokens: int, num_top: int) -> StepOutput:

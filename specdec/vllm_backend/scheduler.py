@@ -1,8 +1,9 @@
 """``PsdScheduler``: vLLM's v1 scheduler, restricted to the batch the coordinator names.
 
 Configured through vLLM's documented extension point ``scheduler_config.scheduler_cls``
-(``"specdec.vllm_backend.scheduler.PsdScheduler"``); it subclasses ``vllm.v1.core.sched.
-scheduler.Scheduler`` and overrides only ``schedule``. No torch, no vLLM file is edited.
+(``"specdec.vllm_backend.scheduler.PsdScheduler"``, or ``PsdAsyncScheduler`` for an engine with
+vLLM's async scheduling); it subclasses ``vllm.v1.core.sched.scheduler.Scheduler`` (or its
+``AsyncScheduler``) and overrides only ``schedule``. No torch, no vLLM file is edited.
 
 PSD (MineDraft, Tang, Verma et al. 2026, §5.1) keeps two batches resident on one target KV
 cache and verifies one of them per step while the drafter drafts the other. vLLM's scheduler
@@ -12,6 +13,10 @@ would run every running request each step; this one runs only ``step.request_ids
   (``request.spec_token_ids``), so vLLM verifies exactly those drafts with its own rejection
   sampler (accepted tokens, then one recovered or bonus token) and rolls the KV of rejected
   positions back (``num_computed_tokens``);
+- each named request is scheduled for at most ``step.num_steps`` sampling steps (a step that
+  ends its prompt, or any step after that), then paused again; so a multi-step decode
+  (``num_steps`` > 1, plain decoding only) runs exactly that many tokens, also under async
+  scheduling, where vLLM schedules step i + 1 while step i runs on the GPU;
 - every other running request stays resident and paused: it keeps its KV blocks and is not
   scheduled (vLLM's model runner keeps the cached state of unscheduled requests);
 - a waiting (just added) request is scheduled only when it is in the named set (its prefill).
@@ -25,33 +30,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
 class PsdStep:
-    """What the next ``schedule()`` runs.
+    """What the next ``schedule()`` calls run.
 
     Attributes:
         request_ids: vLLM (internal) request ids allowed to run; every other request is paused.
         draft_token_ids: per request id, the draft tokens to verify (``[k_i]`` ids; absent or
             empty: plain decode or prefill).
+        num_steps: sampling steps each named request may be scheduled for (>= 1; > 1 only for
+            plain decoding: the draft tokens go with the first step only).
+
+    Raises:
+        ValueError: ``num_steps`` < 1, or > 1 with draft tokens.
     """
 
     request_ids: frozenset[str]
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    num_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps: must be >= 1, got {self.num_steps}")
+        if self.num_steps > 1 and any(self.draft_token_ids.values()):
+            raise ValueError("num_steps: > 1 only for plain decoding (no draft tokens)")
 
 
-class PsdScheduler(Scheduler):
-    """vLLM's scheduler with a per-step request filter and externally given draft tokens."""
+class PsdSchedulerMixin:
+    """The per-step request filter and externally given draft tokens (see module docstring)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.psd_step: PsdStep | None = None  # None: plain vLLM scheduling (every request runs)
+        self.num_sampling_steps: dict[str, int] = {}  # per named request, in the current step
 
     def set_step(self, step: PsdStep | None) -> None:
         """Run only ``step`` from the next ``schedule()`` on (None: every request)."""
         self.psd_step = step
+        self.num_sampling_steps = {}
 
     def schedule(self, *args, **kwargs):
         step = self.psd_step
@@ -60,10 +80,15 @@ class PsdScheduler(Scheduler):
         stray = [r.request_id for r in self.waiting if r.request_id not in step.request_ids]
         if stray:
             raise RuntimeError(f"waiting requests outside the scheduled batch: {stray}")
-        paused = [r for r in self.running if r.request_id not in step.request_ids]
-        self.running = [r for r in self.running if r.request_id in step.request_ids]
-        for request in self.running:
-            request.spec_token_ids = list(step.draft_token_ids.get(request.request_id, ()))
+        done = self.num_sampling_steps
+        paused = [r for r in self.running if r.request_id not in step.request_ids
+                  or done.get(r.request_id, 0) >= step.num_steps]
+        self.running = [r for r in self.running if r not in paused]
+        candidates = {r.request_id: r for r in [*self.running, *self.waiting]}
+        computed_before = {rid: r.num_computed_tokens for rid, r in candidates.items()}
+        for request in self.running:   # the drafts go with a request's first sampling step
+            is_first = done.get(request.request_id, 0) == 0
+            request.spec_token_ids = list(step.draft_token_ids.get(request.request_id, ()) if is_first else ())
         try:
             output = super().schedule(*args, **kwargs)
         finally:
@@ -71,4 +96,17 @@ class PsdScheduler(Scheduler):
         if output.preempted_req_ids:
             raise RuntimeError(f"vLLM preempted {sorted(output.preempted_req_ids)}: the KV cache is too small "
                                "for the resident requests")
+        for rid, num_tokens in output.num_scheduled_tokens.items():
+            request = candidates.get(rid)
+            if request is not None and computed_before[rid] + num_tokens >= request.num_prompt_tokens:
+                done[rid] = done.get(rid, 0) + 1   # this step samples a token (not a prompt chunk)
         return output
+
+
+class PsdScheduler(PsdSchedulerMixin, Scheduler):
+    """vLLM's (synchronous) scheduler with the PSD step filter."""
+
+
+class PsdAsyncScheduler(PsdSchedulerMixin, AsyncScheduler):
+    """vLLM's async scheduler (``async_scheduling=True``) with the PSD step filter: a multi-step
+    decode overlaps scheduling step i + 1 with running step i."""

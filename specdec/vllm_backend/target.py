@@ -24,9 +24,9 @@ from specdec.engine_api import EngineFacts
 from specdec.errors import CapacityError
 from specdec.sampling import SamplingParams
 from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
-from specdec.vllm_backend.engine import (VllmEngineConfig, build_engine, refusals_as_value_errors, scheduler_of,
-                                         to_vllm_sampling)
-from specdec.vllm_backend.outputs import collect_step, engine_facts, step_output
+from specdec.vllm_backend.engine import (VllmEngineConfig, build_engine, drain, refusals_as_value_errors,
+                                         scheduler_of, to_vllm_sampling)
+from specdec.vllm_backend.outputs import StepDelta, collect_step, engine_facts, step_output
 from specdec.vllm_backend.scheduler import PsdStep
 
 MAX_PREFILL_STEPS = 64   # chunked prefill: steps until every new prompt has its first token
@@ -113,24 +113,18 @@ class VllmTargetWorker:
     def _prefill(self, added: dict[str, _Resident]) -> dict:
         """Step the new requests alone until each has its first token (chunked prefill may take
         several steps); on failure they are aborted again (all or nothing)."""
-        pending = dict(added)
-        outputs: dict = {}
         try:
-            for _ in range(MAX_PREFILL_STEPS):
-                if not pending:
-                    return outputs
-                step = self._run(PsdStep(frozenset(s.vllm_id for s in pending.values())))
-                for rid, output in step.items():
-                    if rid in pending and output.token_ids:
-                        outputs[rid] = output
-                        del pending[rid]
-            raise RuntimeError(f"prefill did not finish in {MAX_PREFILL_STEPS} steps")
+            step = self._run(PsdStep(frozenset(s.vllm_id for s in added.values())))
+            missing = [rid for rid in added if rid not in step or not step[rid].token_ids]
+            if missing:
+                raise RuntimeError(f"prefill of {missing} gave no token")
+            return step
         except BaseException:
             for rid in added:
                 self.release(rid)
             raise
 
-    def verify(self, request_ids: list[str], draft_token_ids: list[list[int]], draft_probs=None):
+    def verify(self, request_ids: list[str], draft_token_ids: list[list[int]], draft_probs=None, num_steps: int = 1):
         """One target step over ``request_ids``: row i verifies its k_i = ``len(draft_token_ids[i])``
         draft tokens (0: plain decode) in one forward of k_i + 1 positions.
 
@@ -138,6 +132,7 @@ class VllmTargetWorker:
             request_ids: b resident requests (the batch the coordinator names; others stay paused).
             draft_token_ids: b rows of draft token ids, row i of length k_i <= ``num_speculative_tokens``.
             draft_probs: ignored (see the module docstring); accepted for the seam's signature.
+            num_steps: plain decode steps in this call (> 1: every row without drafts; ``decode``).
 
         Returns:
             b ``StepOutput``s of ``num_accepted + 1`` tokens each, in order.
@@ -157,7 +152,7 @@ class VllmTargetWorker:
         if finished:
             raise CapacityError(f"requests {finished} reached max_model_len={self.cfg.max_model_len}")
         step = PsdStep(frozenset(s.vllm_id for s in states),
-                       {s.vllm_id: list(row) for s, row in zip(states, draft_token_ids) if row})
+                       {s.vllm_id: list(row) for s, row in zip(states, draft_token_ids) if row}, num_steps)
         outputs = self._run(step)
         missing = [rid for rid in request_ids if rid not in outputs]
         if missing:
@@ -165,18 +160,48 @@ class VllmTargetWorker:
         return [step_output(rid, outputs[rid], len(row), s.params.logprobs)
                 for rid, s, row in zip(request_ids, states, draft_token_ids)]
 
+    def decode(self, request_ids: list[str], num_steps: int):
+        """``num_steps`` plain decode steps over ``request_ids`` in one call (multi-step decoding:
+        under vLLM's async scheduling, step i + 1 is scheduled while step i runs).
+
+        Args:
+            request_ids: b resident requests.
+            num_steps: decode steps (>= 1); a row that reaches ``max_model_len`` stops early.
+
+        Returns:
+            b ``StepOutput``s of up to ``num_steps`` tokens each (``num_accepted`` 0), in order.
+
+        Raises:
+            KeyError: an unknown request id. ValueError: ``num_steps`` < 1.
+            CapacityError: a row already at ``max_model_len``. RuntimeError: a row did not run.
+        """
+        if num_steps < 1:
+            raise ValueError(f"num_steps: must be >= 1, got {num_steps}")
+        return self.verify(request_ids, [[] for _ in request_ids], None, num_steps=num_steps)
+
     def _run(self, step: PsdStep) -> dict:
-        """One engine step restricted to ``step``: {request id: ``CompletionOutput`` delta}."""
+        """Engine steps restricted to ``step`` until every named request has run its
+        ``step.num_steps`` sampling steps (or ended): {request id: ``StepDelta``, the merged
+        deltas}. Leaves nothing in flight (async scheduling's batch queue drained)."""
         self.scheduler.set_step(step)
+        by_vllm_id = {state.vllm_id: rid for rid, state in self._requests.items()}
+        merged: dict[str, StepDelta] = {}
         try:
-            outputs = collect_step(self.engine.step())
+            for _ in range(step.num_steps + MAX_PREFILL_STEPS):
+                for rid, output in collect_step(self.engine.step()).items():
+                    merged.setdefault(rid, StepDelta()).add(output)
+                if all(_is_done(merged.get(by_vllm_id.get(v, v)), step.num_steps) for v in step.request_ids):
+                    break
+            else:
+                raise RuntimeError(f"vLLM did not finish {step.num_steps} steps in {step.num_steps + MAX_PREFILL_STEPS}")
+            drain(self.engine, lambda rid, output: merged.setdefault(rid, StepDelta()).add(output))
         finally:
             self.scheduler.set_step(PsdStep(frozenset()))
         for rid, state in self._requests.items():
-            output = outputs.get(rid)
-            if output is not None and output.finish_reason is not None:
+            delta = merged.get(rid)
+            if delta is not None and delta.finish_reason is not None:
                 state.is_finished = True
-        return outputs
+        return merged
 
     def release(self, request_id: str) -> None:
         """Abort the vLLM request and free its KV blocks. Raises KeyError for an unknown id."""
@@ -187,3 +212,7 @@ class VllmTargetWorker:
     @property
     def num_active(self) -> int:
         return len(self._requests)
+
+
+def _is_done(delta, num_steps: int) -> bool:
+    return delta is not None and (delta.num_steps >= num_steps or delta.finish_reason is not None)

@@ -1,0 +1,125 @@
+"""Multi-step decoding (``--decode-steps N``): an ``ar`` step decodes N tokens per request in one
+Verify call. Checked: the native worker's N steps equal N single steps token for token and
+logprob for logprob; the verifier refuses bad ``num_decode_steps``; the coordinator gives the
+same outputs as one token per call (stop ids, EOS, ``max_tokens`` mid-block) with fewer steps,
+never asks past a request's ``max_tokens`` or the context window, and counts tokens emitted.
+(The vLLM backend's multi-step decode: tests/vllm_backend/test_psd_scheduler.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from coordinator.config import CoordinatorConfig
+from coordinator.context_window import ContextLimits
+from coordinator_harness import Harness, _expected, _workload
+from minedraft.v1 import coordinator_pb2, engine_pb2
+from specdec.config import CacheConfig, ModelConfig
+from specdec.errors import CapacityError
+from specdec.runner import ModelRunner
+from specdec.sampling import SamplingParams
+from specdec.worker import TargetWorker
+from verifier_svc.engine import MAX_DECODE_STEPS, VerifierEngine
+
+PROMPTS = {"a": [5, 9, 17, 3], "b": [7, 7, 1, 30, 11, 2, 8], "c": [4]}
+
+
+def _worker(tiny_llama, max_model_len: int = 64) -> TargetWorker:
+    runner = ModelRunner(ModelConfig(), CacheConfig(max_num_seqs=4, max_model_len=max_model_len),
+                         model=tiny_llama(dtype=torch.float64))
+    return TargetWorker(runner, seed=0)
+
+
+def _add(worker: TargetWorker, params: SamplingParams) -> dict[str, list[int]]:
+    outs = worker.add_requests([(rid, p, params) for rid, p in PROMPTS.items()])
+    return {o.request_id: list(o.token_ids) for o in outs}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_native_decode_steps_equal_single_steps(tiny_llama, temperature: float) -> None:
+    params = SamplingParams(temperature=temperature, seed=11, logprobs=2)
+    single, multi = _worker(tiny_llama), _worker(tiny_llama)
+    one, many = _add(single, params), _add(multi, params)
+    one_lp = {rid: [] for rid in PROMPTS}
+    for _ in range(9):
+        for out in single.verify(list(PROMPTS), [[] for _ in PROMPTS], None):
+            one[out.request_id] += out.token_ids
+            one_lp[out.request_id] += out.logprobs
+    many_lp = {rid: [] for rid in PROMPTS}
+    for n in (4, 1, 4):
+        for out in multi.decode(list(PROMPTS), n):
+            assert len(out.token_ids) == len(out.logprobs) == len(out.top_logprobs) == n
+            assert out.num_accepted == 0
+            many[out.request_id] += out.token_ids
+            many_lp[out.request_id] += out.logprobs
+    assert many == one
+    assert many_lp == one_lp
+
+
+def test_native_decode_stops_at_the_context_window(tiny_llama) -> None:
+    worker = _worker(tiny_llama, max_model_len=16)
+    _add(worker, SamplingParams(temperature=0.0, seed=0))
+    outs = worker.decode(list(PROMPTS), 40)
+    # "b" (7 prompt tokens) fills the 16-token window first; every row stops with it
+    assert {len(o.token_ids) for o in outs} == {16 - 7}
+    with pytest.raises(CapacityError):
+        worker.decode(["b"], 2)
+    with pytest.raises(ValueError, match="num_steps"):
+        worker.decode(["a"], 0)
+
+
+def test_verifier_refuses_bad_num_decode_steps(tiny_llama) -> None:
+    engine = VerifierEngine(_worker(tiny_llama), seed=0)
+    engine.add(engine_pb2.AddRequestsRequest(seqs=[engine_pb2.SeqInit(request_id="a", prompt_token_ids=[5, 9])]))
+    too_many = engine_pb2.VerifyRequest(request_ids=["a"], num_decode_steps=MAX_DECODE_STEPS + 1)
+    with pytest.raises(ValueError, match="num_decode_steps"):
+        engine.verify(too_many, engine_pb2.DATA_PLANE_INLINE)
+    from coordinator.engines import encode_token_ids
+
+    with_drafts = engine_pb2.VerifyRequest(request_ids=["a"], num_decode_steps=2,
+                                           draft_token_ids=encode_token_ids([[3, 4]], is_ragged=True))
+    with pytest.raises(ValueError, match="num_decode_steps"):
+        engine.verify(with_drafts, engine_pb2.DATA_PLANE_INLINE)
+    response = engine.verify(engine_pb2.VerifyRequest(request_ids=["a"], num_decode_steps=5), engine_pb2.DATA_PLANE_INLINE)
+    assert len(response.outputs[0].token_ids) == 5
+
+
+def test_config_refuses_bad_decode_steps() -> None:
+    for bad in (0, 65):
+        with pytest.raises(ValueError, match="num_decode_steps"):
+            CoordinatorConfig(num_decode_steps=bad)
+
+
+def test_decode_room_follows_the_verifier_window() -> None:
+    assert ContextLimits(verifier_max_model_len=100).decode_room(96) == 4
+    assert ContextLimits().decode_room(96) > 1000
+
+
+@pytest.mark.parametrize("mode", ["ar", "auto"])
+def test_coordinator_multi_step_output_equals_reference(mode: str) -> None:
+    work = _workload(12)   # max_tokens 6..28, stop ids, ignore_eos: finishes inside a decoded block
+
+    async def run(num_decode_steps: int):
+        async with Harness(mode=mode, max_num_seqs=3, num_speculative_tokens=3,
+                           num_decode_steps=num_decode_steps) as h:
+            results = await asyncio.gather(*(h.generate(rid, p, **s) for rid, p, s in work))
+            status = await h.stub.GetStatus(coordinator_pb2.StatusRequest())
+            metric = h.scheduler.metrics.registry.get_sample_value
+            emitted = metric("minedraft:generation_tokens_total")
+            return results, status.num_steps, h.verifier.decode_steps_seen, emitted
+
+    one, steps_one, seen_one, _ = asyncio.run(run(1))
+    many, steps_many, seen_many, emitted = asyncio.run(run(6))
+    assert not seen_one
+    for (rid, prompt, sampling), (tokens, reason, usage) in zip(work, many):
+        assert tokens == _expected(prompt, sampling), rid
+        assert usage.completion_tokens == len(tokens) and reason in ("stop", "length")
+    assert [r[:2] for r in many] == [r[:2] for r in one]
+    assert emitted == sum(len(tokens) for tokens, _, _ in many)
+    if mode == "ar":
+        assert seen_many and max(seen_many) == 6 and steps_many < steps_one / 2
+        longest = max(s["max_tokens"] for _, _, s in work)
+        assert all(2 <= n <= min(6, longest) for n in seen_many)
