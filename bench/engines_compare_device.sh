@@ -8,7 +8,8 @@
 #                 fixed at 0.7 on both sides (ours --bench-fixed-acceptance, vLLM synthetic);
 #        smollm2 - the real SmolLM2-135M-Instruct target with our distilled draft, greedy.
 # Drafter and verifier share GPU 0 under CUDA MPS. Env: SYSTEMS, CONCURRENCIES, EXTRA override;
-# SMOKE=1 first runs bench.vllm_backend_smoke (the backend's workers in-process, greedy sd = ar).
+# SMOKE=1 first runs bench.vllm_backend_smoke (the backend's workers in-process, greedy sd = ar;
+# SMOKE_ARGS its flags, SMOKE_ONLY=1 stops after it).
 set -u
 TABLE=${1:?TABLE: paper or smollm2}
 TOTAL_S=${2:-560}
@@ -29,8 +30,13 @@ python3 -c 'import torch, vllm, transformers, grpc; print("torch", torch.__versi
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 mkdir -p "$OUT/$TABLE"
 rm -rf /root/cache/models/random-*   # written by an older checkout (before `architectures` was set)
-[ -z "${SMOKE:-}" ] || timeout 240 python3 -m bench.vllm_backend_smoke --device cuda --target random:smollm2-135m \
-    --draft random:smollm2-135m --enforce-eager 2>&1 | tee "$OUT/$TABLE/smoke.log" | grep -E "SMOKE|Error|error" | tail -20
+if [ -n "${SMOKE:-}" ]; then   # SMOKE_ARGS: bench.vllm_backend_smoke's flags; its profile comes back as one tar
+  timeout "${SMOKE_TIMEOUT:-240}" python3 -m bench.vllm_backend_smoke --device cuda --profile-out /tmp/prof \
+      ${SMOKE_ARGS:---target random:smollm2-135m --draft random:smollm2-135m --enforce-eager} 2>&1 \
+      | tee "$OUT/$TABLE/smoke.log" | grep -E "SMOKE|Error|error" | tail -20
+  tar czf "$OUT/$TABLE/profile.tgz" -C /tmp prof 2>/dev/null
+fi
+[ -z "${SMOKE_ONLY:-}" ] || exit 0
 left() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
 case "$TABLE" in
   paper) ARGS="--target random:llama-8b --draft random:qwen3-0.6b --fixed-acceptance 0.7 --max-tokens 256"
