@@ -81,6 +81,15 @@ def _decode_all(target, prompts, n_tokens: int, calls: _Calls, name: str, num_st
     return out
 
 
+def _allow_another_capture() -> None:
+    """vLLM forbids CUDA graph captures once an engine of the process has captured its own (a
+    guard against captures during inference); the engine services build one engine per process,
+    this script builds several, so it lifts the guard before each further build."""
+    from vllm.compilation import monitor
+
+    monitor.set_cudagraph_capturing_enabled(True)
+
+
 def _greedy():
     from specdec.sampling import SamplingParams
 
@@ -122,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     is_async = a.device == "cuda"
     target = VllmTargetWorker(VllmEngineConfig(model=target_dir, load_format=fmt, num_speculative_tokens=a.k, **common))
+    _allow_another_capture()
     draft = VllmDraftWorker(VllmEngineConfig(model=draft_dir, load_format=draft_fmt, async_scheduling=is_async, **common))
     build_s = time.perf_counter() - t0
     rng = random.Random(0)
@@ -132,7 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     n = a.num_tokens + 1
     result = {"build_s": round(build_s, 1), "sd_equals_ar": all(sd[r][:n] == ar[r][:n] for r in prompts),
               "mean_accepted_per_step": sum(accepted) / len(accepted)}
+    if a.profile_out:   # before the ar part: its tables survive a failure there
+        calls.write(a.profile_out)
+    print("SMOKE_SD", json.dumps({**result, **{f"{k}_ms_mean": sum(v) / len(v) for k, v in calls.ms.items()}}),
+          flush=True)
     if a.ar_decode_steps:
+        _allow_another_capture()
         ar_engine = VllmTargetWorker(VllmEngineConfig(model=target_dir, load_format=fmt, async_scheduling=is_async, **common))
         one = _decode_all(ar_engine, prompts, a.num_tokens, calls, "ar_1step")
         many = _decode_all(ar_engine, prompts, a.num_tokens, calls, "ar_multistep", a.ar_decode_steps)
@@ -141,8 +156,6 @@ def main(argv: list[str] | None = None) -> int:
         result["ar_ms_per_token_multistep"] = sum(calls.ms["ar_multistep"]) / len(calls.ms["ar_multistep"]) / a.ar_decode_steps
     for name, values in calls.ms.items():
         result[f"{name}_ms_mean"] = sum(values) / len(values)
-    if a.profile_out:
-        calls.write(a.profile_out)
     print("SMOKE", json.dumps(result), flush=True)
     ok = result["sd_equals_ar"] and result.get("ar_multistep_equals_1step", True)
     return 0 if ok else 1

@@ -176,17 +176,15 @@ def scheduler_of(engine):
     return scheduler
 
 
-def drain(engine, on_output=None, max_steps: int = 64) -> None:
-    """Step until async scheduling's batch queue is empty (nothing left in flight between
-    calls; a synchronous engine has no queue). ``on_output(request id, CompletionOutput)`` gets
-    any output those steps return. Raises RuntimeError if it does not drain in ``max_steps``."""
+def drain(engine, max_steps: int = 64) -> None:
+    """Step an engine whose requests have all finished until async scheduling's batch queue is
+    empty (a step scheduled past the end; a synchronous engine has no queue). Raises
+    RuntimeError if it does not drain in ``max_steps``."""
     core = engine.engine_core.engine_core
     for _ in range(max_steps):
         if not getattr(core, "batch_queue", None):
             return
-        for out in engine.step():
-            if out.outputs and on_output is not None:
-                on_output(out.request_id, out.outputs[0])
+        engine.step()
     raise RuntimeError("vLLM's batch queue did not drain")
 
 

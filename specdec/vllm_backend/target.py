@@ -24,8 +24,8 @@ from specdec.engine_api import EngineFacts
 from specdec.errors import CapacityError
 from specdec.sampling import SamplingParams
 from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
-from specdec.vllm_backend.engine import (VllmEngineConfig, build_engine, drain, refusals_as_value_errors,
-                                         scheduler_of, to_vllm_sampling)
+from specdec.vllm_backend.engine import (VllmEngineConfig, build_engine, refusals_as_value_errors, scheduler_of,
+                                         to_vllm_sampling)
 from specdec.vllm_backend.outputs import StepDelta, collect_step, engine_facts, step_output
 from specdec.vllm_backend.scheduler import PsdStep
 
@@ -182,7 +182,9 @@ class VllmTargetWorker:
     def _run(self, step: PsdStep) -> dict:
         """Engine steps restricted to ``step`` until every named request has run its
         ``step.num_steps`` sampling steps (or ended): {request id: ``StepDelta``, the merged
-        deltas}. Leaves nothing in flight (async scheduling's batch queue drained)."""
+        deltas}. Under async scheduling the engine scheduled one more (empty: every quota is
+        spent) batch meanwhile; it stays queued and the next call's first step pops it, since a
+        queue of resident requests never drains (each step schedules again)."""
         self.scheduler.set_step(step)
         by_vllm_id = {state.vllm_id: rid for rid, state in self._requests.items()}
         merged: dict[str, StepDelta] = {}
@@ -194,7 +196,6 @@ class VllmTargetWorker:
                     break
             else:
                 raise RuntimeError(f"vLLM did not finish {step.num_steps} steps in {step.num_steps + MAX_PREFILL_STEPS}")
-            drain(self.engine, lambda rid, output: merged.setdefault(rid, StepDelta()).add(output))
         finally:
             self.scheduler.set_step(PsdStep(frozenset()))
         for rid, state in self._requests.items():

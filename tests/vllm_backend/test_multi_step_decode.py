@@ -4,7 +4,7 @@ engine; vLLM's CPU build runs it synchronously, the scheduler's bookkeeping is t
 ``PsdScheduler`` (an engine with speculation). Checked: exactly N tokens per row, equal to the
 greedy reference and to N single steps (seeded sampling too); requests outside the call stay
 untouched; a row stops at ``max_model_len`` while the others go on; ``PsdStep`` refuses N < 1
-and N > 1 with drafts; nothing stays in flight after a call.
+and N > 1 with drafts.
 """
 from __future__ import annotations
 
@@ -78,7 +78,6 @@ def test_decode_n_steps_equals_the_greedy_reference(engine, model, request) -> N
                 out[s.request_id] += s.token_ids
         assert out["x"] == refs["x"][:14] and out["y"] == refs["y"][:14]
         assert (paused.num_computed_tokens, list(paused.output_token_ids)) == before
-        assert not getattr(worker.engine.engine_core.engine_core, "batch_queue", None)   # nothing in flight
         out["paused"] += worker.decode(["paused"], 3)[0].token_ids
         assert out["paused"] == refs["paused"][:4]
     finally:
