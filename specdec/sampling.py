@@ -99,32 +99,57 @@ def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=like.dtype, device=like.device).view(-1, 1, 1)
 
 
+def _on_rows(tensor: torch.Tensor, rows: list[int], processor) -> torch.Tensor:
+    """``tensor`` [b, q, V] with ``processor`` applied to the ``rows`` only (a [r, q, V] ->
+    [r, q, V] function); the other rows are returned untouched, bit for bit, so that a row's
+    distribution never depends on what its batch-mates ask for (issue 25.1)."""
+    if not rows:
+        return tensor
+    if len(rows) == tensor.shape[0]:
+        return processor(tensor)
+    index = torch.tensor(rows, device=tensor.device)
+    return tensor.index_copy(0, index, processor(tensor.index_select(0, index)))
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k and then top-p set. logits [b, q, V]."""
+    """Mask (to -inf) tokens outside each row's top-k and then top-p set. logits [b, q, V].
+
+    Only the rows with a top-k below V or a top-p below 1 are sorted and masked, and the top-p
+    test runs only on rows with top_p < 1: a float32 cumulative sum reaches 1.0 before the end of
+    the vocabulary, so the test would drop real tail tokens of a ``top_p = 1`` row."""
     vocab_size = logits.shape[-1]
-    top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
-    top_ps = [p.top_p for p in params]
-    if all(k >= vocab_size for k in top_ks) and all(p >= 1.0 for p in top_ps):
-        return logits
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab_size, device=logits.device).view(1, 1, -1)
-    k_col = torch.tensor(top_ks, device=logits.device).view(-1, 1, 1)
-    sorted_logits = sorted_logits.masked_fill(ranks >= k_col, -math.inf)
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    # Probability mass strictly before each token; the first token always stays (top_p > 0).
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= _column(top_ps, logits), -math.inf)
-    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+    rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab_size or p.top_p < 1.0]
+
+    def mask(sub: torch.Tensor) -> torch.Tensor:
+        chosen = [params[i] for i in rows]
+        sorted_logits, sorted_idx = sub.sort(dim=-1, descending=True, stable=True)
+        ranks = torch.arange(vocab_size, device=sub.device).view(1, 1, -1)
+        k_col = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in chosen],
+                             device=sub.device).view(-1, 1, 1)
+        sorted_logits = sorted_logits.masked_fill(ranks >= k_col, -math.inf)
+        if any(p.top_p < 1.0 for p in chosen):
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            # Probability mass strictly before each token; the first token always stays (top_p > 0).
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            has_top_p = torch.tensor([p.top_p < 1.0 for p in chosen], device=sub.device).view(-1, 1, 1)
+            is_out = (mass_before >= _column([p.top_p for p in chosen], sub)) & has_top_p
+            sorted_logits = sorted_logits.masked_fill(is_out, -math.inf)
+        return torch.empty_like(sub).scatter_(-1, sorted_idx, sorted_logits)
+
+    return _on_rows(logits, rows, mask)
 
 
 def _apply_min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Zero tokens with prob < min_p * max prob and renormalise. probs [b, q, V]."""
-    min_ps = [p.min_p for p in params]
-    if all(m == 0.0 for m in min_ps):
-        return probs
-    threshold = _column(min_ps, probs) * probs.amax(dim=-1, keepdim=True)
-    probs = probs.masked_fill(probs < threshold, 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True)
+    """Zero tokens with prob < min_p * max prob and renormalise, on the rows with min_p > 0
+    only (the others are not renormalised). probs [b, q, V]."""
+    rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
+
+    def cut(sub: torch.Tensor) -> torch.Tensor:
+        threshold = _column([params[i].min_p for i in rows], sub) * sub.amax(dim=-1, keepdim=True)
+        sub = sub.masked_fill(sub < threshold, 0.0)
+        return sub / sub.sum(dim=-1, keepdim=True)
+
+    return _on_rows(probs, rows, cut)
 
 
 def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
