@@ -43,6 +43,13 @@ class SamplingParams:
         ignore_eos: if True, the model's EOS does not end the request.
         logprobs: how many most likely tokens (with their target log-probabilities) to return
             per output token, >= 0; 0 = only the sampled token's log-probability.
+        presence_penalty: in [-2, 2]; subtracted from the logit of every token that occurs in the
+            output so far (vLLM / OpenAI); 0 = off.
+        frequency_penalty: in [-2, 2]; subtracted times the token's count in the output so far.
+        repetition_penalty: > 0; tokens of the prompt or the output so far get logit / penalty
+            when positive, logit * penalty otherwise (Keskar et al. 2019, vLLM); 1 = off.
+            Penalties act on the raw logits before temperature (so greedy takes the argmax of
+            the penalised logits); ``specdec.penalties``.
 
     Raises:
         ValueError: naming the first invalid field.
@@ -57,6 +64,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -73,10 +83,20 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens}")
         if not isinstance(self.logprobs, int) or self.logprobs < 0:
             raise ValueError(f"logprobs must be an int >= 0, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise ValueError(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
         stop_ids = tuple(self.stop_token_ids)
         if any(not isinstance(t, int) or t < 0 for t in stop_ids):
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids}")
         object.__setattr__(self, "stop_token_ids", stop_ids)
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a presence, frequency or repetition penalty is on."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def is_greedy(self) -> bool:
@@ -99,7 +119,7 @@ def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=like.dtype, device=like.device).view(-1, 1, 1)
 
 
-def _on_rows(tensor: torch.Tensor, rows: list[int], processor) -> torch.Tensor:
+def on_rows(tensor: torch.Tensor, rows: list[int], processor) -> torch.Tensor:
     """``tensor`` [b, q, V] with ``processor`` applied to the ``rows`` only (a [r, q, V] ->
     [r, q, V] function); the other rows are returned untouched, bit for bit, so that a row's
     distribution never depends on what its batch-mates ask for (issue 25.1)."""
@@ -136,7 +156,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
             sorted_logits = sorted_logits.masked_fill(is_out, -math.inf)
         return torch.empty_like(sub).scatter_(-1, sorted_idx, sorted_logits)
 
-    return _on_rows(logits, rows, mask)
+    return on_rows(logits, rows, mask)
 
 
 def _apply_min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -149,7 +169,7 @@ def _apply_min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
         sub = sub.masked_fill(sub < threshold, 0.0)
         return sub / sub.sum(dim=-1, keepdim=True)
 
-    return _on_rows(probs, rows, cut)
+    return on_rows(probs, rows, cut)
 
 
 def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
