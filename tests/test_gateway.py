@@ -75,6 +75,11 @@ BAD_REQUESTS = [
     (dict(prompt_token_ids=[49152]), "prompt_token_ids"),
     (dict(messages=[]), "messages"),
     (dict(prompt="hi", stop=["x" * 1025]), "sampling.stop"),               # issue 25.4: over-long stop string
+    (dict(prompt="hi", presence_penalty=2.5), "sampling.presence_penalty"),
+    (dict(prompt="hi", frequency_penalty=-2.5), "sampling.frequency_penalty"),
+    (dict(prompt="hi", frequency_penalty=math.nan), "sampling.frequency_penalty"),
+    (dict(prompt="hi", repetition_penalty=-0.5), "sampling.repetition_penalty"),
+    (dict(prompt="hi", repetition_penalty=math.inf), "sampling.repetition_penalty"),
     (dict(prompt="hi", request_id="r" * 513), "request_id"),             # and request id
 ]
 
