@@ -6,7 +6,8 @@ target and one draft engine per module. Checked: ``PsdScheduler`` runs only the 
 reference), the coordinator's drafts reach vLLM exactly (ragged k_i), a stray waiting request
 and a too-small KV cache are refused, greedy verification is exact for any draft, seeded
 sampling repeats whatever shares the batch, sampled speculative decoding with a different
-draft model reproduces the target's exact distribution (chi-square), release frees the KV, and
+draft model reproduces the target's exact distribution (chi-square), penalised greedy verification
+counts the earlier drafts as output (vLLM's penalties under speculation), release frees the KV, and
 ``VllmDraftWorker``'s catch-up, capacity and unknown-id contracts.
 """
 from __future__ import annotations
@@ -368,19 +369,6 @@ def test_draft_capacity_error_changes_nothing_and_unknown_ids_raise(drafter):
         drafter.release("cap")
 
 
-def test_kv_cache_below_max_num_seqs_times_max_model_len_is_refused(models):
-    cfg = _cfg(models[0], max_num_seqs=16, num_speculative_tokens=K)   # 16 x 3 blocks of 128 (256 + k tokens)
-    fake = types.SimpleNamespace(vllm_config=types.SimpleNamespace(
-        cache_config=types.SimpleNamespace(block_size=128, num_gpu_blocks=16 * 3)))
-    check_kv_capacity(fake, cfg)
-    fake.vllm_config.cache_config.num_gpu_blocks = 16 * 3 - 1
-    with pytest.raises(CapacityError):
-        check_kv_capacity(fake, cfg)
-    with pytest.raises(CapacityError, match="max_num_seqs=64"):  # 1 MiB of KV holds 1024 tokens, not 64 x 256
-        build_engine(VllmEngineConfig(model=models[0], max_num_seqs=64, max_model_len=MAX_LEN, enforce_eager=True,
-                                      kv_cache_space_gib=1 / 1024))
-
-
 PENALTIES = dict(presence_penalty=0.7, frequency_penalty=0.6, repetition_penalty=1.8)
 
 
@@ -417,3 +405,17 @@ def test_penalised_greedy_verify_counts_the_drafts_before_each_position(target, 
             out += result.token_ids
     finally:
         target.release("pen-sd")
+
+
+def test_kv_cache_below_max_num_seqs_times_max_model_len_is_refused(models):
+    cfg = _cfg(models[0], max_num_seqs=16, num_speculative_tokens=K)   # 16 x 3 blocks of 128 (256 + k tokens)
+    fake = types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+        cache_config=types.SimpleNamespace(block_size=128, num_gpu_blocks=16 * 3)))
+    check_kv_capacity(fake, cfg)
+    fake.vllm_config.cache_config.num_gpu_blocks = 16 * 3 - 1
+    with pytest.raises(CapacityError):
+        check_kv_capacity(fake, cfg)
+    with pytest.raises(CapacityError, match="max_num_seqs=64"):  # 1 MiB of KV holds 1024 tokens, not 64 x 256
+        build_engine(VllmEngineConfig(model=models[0], max_num_seqs=64, max_model_len=MAX_LEN, enforce_eager=True,
+                                      kv_cache_space_gib=1 / 1024))
+
