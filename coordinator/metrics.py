@@ -13,10 +13,9 @@ in one process; ``serve_metrics`` exposes it over HTTP (``/metrics``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from coordinator.emitted import Block
 from coordinator.stats import StepStats, StepTotals
 
 _PREFIX = "minedraft:"
@@ -79,23 +78,26 @@ class CoordinatorMetrics:
         self.step_batch_size = Histogram(f"{_PREFIX}step_batch_size", "Requests per step by role.", ["role"],
                                          buckets=_BATCH_BUCKETS, registry=r)
 
-    def observe_step(self, stats: StepStats, num_accepted_per_request: Sequence[int]) -> None:
-        """Record one step; ``num_accepted_per_request`` has one entry per verified draft: the
-        accepted tokens that were emitted (truncated at stop, EOS, max_tokens)."""
+    def observe_step(self, stats: StepStats) -> None:
+        """Record one step's count, batch sizes and phase times (its tokens: ``observe_block``)."""
         self.num_steps.labels(mode=stats.mode, parallel=str(stats.is_parallel).lower()).inc()
         self.step_batch_size.labels(role="verify").observe(stats.num_verify)
         self.step_batch_size.labels(role="draft").observe(stats.num_draft)
         for phase, ms in (("draft", stats.draft_ms), ("verify", stats.verify_ms),
                           ("data_plane", stats.data_plane_ms), ("idle", stats.idle_ms), ("wall", stats.wall_ms)):
             self.step_seconds.labels(phase=phase).observe(ms / 1e3)
-        if stats.k == 0:
+
+    def observe_block(self, block: Block) -> None:
+        """Count one request's emitted block (``coordinator.emitted``: only tokens that reached the
+        client count, after truncation at a stop string, stop id, EOS or max_tokens)."""
+        self.num_generation_tokens.inc(block.num_tokens)
+        if block.num_draft_tokens == 0:
             return
-        self.num_drafts.inc(len(num_accepted_per_request))
-        self.num_draft_tokens.inc(stats.num_draft_tokens)
-        self.num_accepted_tokens.inc(sum(num_accepted_per_request))
-        for position in range(stats.k):
-            self.num_accepted_per_pos.labels(position=str(position)).inc(
-                sum(1 for num_accepted in num_accepted_per_request if num_accepted > position))
+        self.num_drafts.inc()
+        self.num_draft_tokens.inc(block.num_draft_tokens)
+        self.num_accepted_tokens.inc(block.num_accepted_tokens)
+        for position in range(block.num_draft_tokens):
+            self.num_accepted_per_pos.labels(position=str(position)).inc(int(position < block.num_accepted_tokens))
 
     def observe_totals(self, totals: StepTotals) -> None:
         """Set the ratio gauges from the running totals."""

@@ -68,6 +68,8 @@ class RequestState:
     num_drafts: int = 0
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     trace: object | None = None  # a coordinator.tracing.RequestTrace (span + latency metrics)
+    has_stop_strings: bool = False  # the gateway may cut it: counters wait (coordinator.emitted)
+    blocks: list = field(default_factory=list)  # its coordinator.emitted.Blocks while held
 
     @property
     def committed(self) -> list[int]:

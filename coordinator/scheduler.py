@@ -28,6 +28,7 @@ from coordinator.balancer import Balancer, BalancerConfig
 from coordinator.batch_manager import BatchManager
 from coordinator.config import CoordinatorConfig, DataPlaneKind, Mode
 from coordinator.context_window import ContextLimits
+from coordinator.emitted import EmittedCounter
 from coordinator.engines import EngineClients
 from coordinator.fallback import DrafterLink
 from coordinator.finish import FinishReason
@@ -70,6 +71,7 @@ class Scheduler(StepLoop):
         self.drafter_link = DrafterLink(cfg.uses_drafter, cfg.drafter_retry_s)
         self.totals = StepTotals()
         self.metrics = CoordinatorMetrics()
+        self.emitted = EmittedCounter(self.metrics, self.totals)
         self.step_id = 0
         self._to_release: set[str] = set()
         self._num_draft_calls = 0
@@ -94,18 +96,25 @@ class Scheduler(StepLoop):
         self.waiting[request.request_id] = request
         self._wakeup.set()
 
-    def abort(self, request_id: str, request: RequestState | None = None) -> bool:
+    def abort(self, request_id: str, request: RequestState | None = None,
+              num_output_tokens: int | None = None) -> bool:
         """Abort a waiting or running request: finish it with "abort", drop its pending drafts,
         and release its KV in both engines at the next sync point. Returns False if unknown.
         With ``request``, only that request: a stream cleaning up after itself must not abort a
-        newer request that reuses its id."""
+        newer request that reuses its id; its counters, if held, wait for the gateway's Abort.
+        Without ``request`` (the Abort RPC) it also settles the request's held counters
+        (``coordinator.emitted``) at ``num_output_tokens`` (None: all), running or finished."""
         found = self.waiting.get(request_id, self.running.get(request_id))
         if found is None or (request is not None and found is not request):
+            if request is None:
+                self.emitted.settle(request_id, num_output_tokens)
             return False
         if self.waiting.pop(request_id, None) is not None:
             found.finish(FinishReason.ABORT)
             return True
         self._retire(found, FinishReason.ABORT)
+        if request is None:
+            self.emitted.settle(request_id, num_output_tokens)
         self._wakeup.set()
         return True
 
@@ -275,9 +284,11 @@ class Scheduler(StepLoop):
         self.batches.recycle(request.request_id)
         self.spec_stats.forget(request.request_id)
         self._to_release.add(request.request_id)
+        self.emitted.on_retire(request)
         if error is not None:
             code, message = error
             request.fail(code.value[0], message)
+            self.emitted.settle(request.request_id)  # the gateway ends the stream without cutting it
         else:
             request.finish(reason)
 

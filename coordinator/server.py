@@ -89,7 +89,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             yield _error(grpc.StatusCode.INVALID_ARGUMENT, problem)
             return
         state = RequestState(request.request_id, list(request.prompt_token_ids), request.sampling,
-                             FinishParams.from_params(request.sampling))
+                             FinishParams.from_params(request.sampling), has_stop_strings=request.has_stop_strings)
         try:
             scheduler.submit(state)
         except QueueFullError as exc:
@@ -111,8 +111,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 scheduler.abort(state.request_id, state)
 
     async def Abort(self, request, context) -> common_pb2.AbortResponse:
-        """Abort a waiting or running request; ``found`` is False for unknown ids."""
-        found = self.scheduler is not None and self.scheduler.abort(request.request_id)
+        """Abort a waiting or running request; ``found`` is False for unknown ids. With
+        ``num_output_tokens`` (the gateway's stop-string cut) its counters count only those."""
+        cut = request.num_output_tokens if request.HasField("num_output_tokens") else None
+        found = self.scheduler is not None and self.scheduler.abort(request.request_id, num_output_tokens=cut)
         return common_pb2.AbortResponse(found=found)
 
     async def GetStatus(self, request, context) -> coordinator_pb2.StatusResponse:

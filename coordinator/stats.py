@@ -88,6 +88,13 @@ class StepTotals:
         self.wall_ms += stats.wall_ms
         self.recent.append(stats)
 
+    def retract(self, num_draft_tokens: int, num_accepted_tokens: int, num_emitted_tokens: int) -> None:
+        """Take back tokens recorded by steps that the gateway then cut off at a stop string
+        (``coordinator.emitted``); the recent ``StepStats`` keep what each step streamed."""
+        self.num_draft_tokens -= num_draft_tokens
+        self.num_accepted_tokens -= num_accepted_tokens
+        self.num_emitted_tokens -= num_emitted_tokens
+
     @property
     def acceptance_rate(self) -> float:
         """Accepted / drafted tokens over all steps (0.0 before any draft)."""

@@ -29,6 +29,7 @@ from minedraft.v1 import engine_pb2
 from coordinator.adaptive import NO_DRAFT
 from coordinator.config import Mode
 from coordinator.cost_model import critical_ms
+from coordinator.emitted import Block
 from coordinator.fallback import add_committed
 from coordinator.finish import apply_finish
 from coordinator.request import RequestState, RequestStatus
@@ -221,6 +222,7 @@ class StepLoop:
         request.num_draft_tokens += k
         request.num_accepted_tokens += num_accepted_emitted
         request.num_drafts += int(k > 0)
+        self.emitted.on_block(request, Block(k, num_accepted_emitted, len(emitted)))
         if emitted:
             request.send_chunk(emitted, logprobs[: len(emitted)], k, num_accepted_emitted,
                                top_logprobs[: len(emitted)])
@@ -247,7 +249,7 @@ class StepLoop:
         finish_step(step_trace, stats, times.phases)
         if self.step_log is not None:
             self.step_log.write(step_trace, stats, times.phases)
-        self.metrics.observe_step(stats, accepted if k else [])
+        self.metrics.observe_step(stats)
         self.metrics.observe_totals(self.totals)
         self.metrics.observe_state(self.batches.batch_sizes(), self.batches.balance, len(self.running),
                                    len(self.waiting), self.is_drafter_available)

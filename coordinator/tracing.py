@@ -72,8 +72,9 @@ class RequestTrace:
     """The ``coordinator.request`` span of one request and its latency marks.
 
     Times: ``time.perf_counter()`` seconds, from the coordinator's receipt of the request.
-    With ``metrics`` (a ``CoordinatorMetrics``) it also counts prompt and generation tokens and
-    observes the TTFT, inter-token (per token of a step's chunk) and end-to-end latency histograms.
+    With ``metrics`` (a ``CoordinatorMetrics``) it also counts prompt tokens and observes the TTFT,
+    inter-token (per token of a step's chunk) and end-to-end latency histograms (generation
+    tokens: ``coordinator.emitted``).
     """
 
     def __init__(self, request_id: str, num_prompt_tokens: int, metrics=None) -> None:
@@ -95,8 +96,6 @@ class RequestTrace:
         """Mark ``num_tokens`` streamed now (TTFT on the first call, else inter-token latency)."""
         now = time.perf_counter()
         previous, self.last_token_s = self.last_token_s, now
-        if self.metrics is not None:
-            self.metrics.num_generation_tokens.inc(num_tokens)
         if previous is None:
             self.first_token_s = now
             self.span.set_attribute(f"{_ATTR}ttft_ms", (now - self.arrival_s) * 1e3)

@@ -80,7 +80,8 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> N
 
 
 def to_sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:
-    """Engine ``SamplingParams`` from the wire message (top_p 0 = unset -> 1; top_k 0 = off).
+    """Engine ``SamplingParams`` from the wire message (top_p 0 = unset -> 1; top_k 0 = off;
+    repetition_penalty 0 = unset -> 1).
 
     Raises:
         ValueError: a field is out of range (message from ``SamplingParams.__post_init__``).
@@ -95,6 +96,9 @@ def to_sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(int(t) for t in message.stop_token_ids),
         ignore_eos=bool(message.ignore_eos),
         logprobs=int(message.logprobs),
+        presence_penalty=float(message.presence_penalty),
+        frequency_penalty=float(message.frequency_penalty),
+        repetition_penalty=1.0 if message.repetition_penalty == 0.0 else float(message.repetition_penalty),
     )
 
 

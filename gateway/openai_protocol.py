@@ -26,6 +26,7 @@ API, following vLLM's OpenAI server (https://docs.vllm.ai/en/latest/serving/open
 """
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -104,6 +105,7 @@ class _SamplingFields(_Strict):
     user: str | None = None
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
+    repetition_penalty: Number | None = None   # vLLM extension; unset = 1
     logit_bias: dict[str, Number] | None = None
     response_format: ResponseFormat | None = None
 
@@ -154,9 +156,6 @@ class ChatCompletionRequest(_SamplingFields):
 
 def _check_unserved(body: _SamplingFields) -> None:
     """Refuses an option this server does not implement unless it has its no-op value."""
-    if body.presence_penalty or body.frequency_penalty:
-        field = "presence_penalty" if body.presence_penalty else "frequency_penalty"
-        raise InvalidRequestError(field, "penalties are not served; use 0")
     if body.logit_bias:
         raise InvalidRequestError("logit_bias", "logit bias is not served; omit it or send {}")
     if body.response_format is not None and body.response_format.type != "text":
@@ -177,9 +176,24 @@ def _sampling(body: _SamplingFields, max_tokens: int | None, num_top: int) -> co
         logprobs=num_top)
     if body.top_p is not None and body.top_p <= 0:
         raise InvalidRequestError("top_p", f"must be in (0, 1], got {body.top_p}")
+    _set_penalties(body, sampling)
     if body.seed is not None:
         sampling.seed = body.seed
     return sampling
+
+
+def _set_penalties(body: _SamplingFields, sampling: common_pb2.SamplingParams) -> None:
+    """presence / frequency / repetition penalties (vLLM's ranges, checked here under their HTTP
+    names; the wire's 0 = unset repetition_penalty cannot carry an explicit 0)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        if not -2.0 <= value <= 2.0:
+            raise InvalidRequestError(name, f"must be in [-2, 2], got {value}")
+        setattr(sampling, name, value)
+    if body.repetition_penalty is not None:
+        if not (math.isfinite(body.repetition_penalty) and body.repetition_penalty > 0):
+            raise InvalidRequestError("repetition_penalty", f"must be finite and > 0, got {body.repetition_penalty}")
+        sampling.repetition_penalty = body.repetition_penalty
 
 
 def _one_prompt(prompt) -> str | list[int]:
@@ -196,7 +210,7 @@ def completion_to_generate(body: CompletionRequest, request_id: str) -> generate
 
     Raises:
         InvalidRequestError: a field this server does not serve (batched prompt, echo, suffix,
-            best_of > 1, penalties); value ranges are checked later by ``gateway.validation``.
+            best_of > 1); value ranges are checked later by ``gateway.validation``.
     """
     if body.echo:
         raise InvalidRequestError("echo", "echo is not served")

@@ -66,7 +66,9 @@ class RequestOutput:
         """Processes one engine step's committed tokens; returns the public chunk."""
         num_kept = self._add_tokens(list(chunk.token_ids))
         self.num_draft_tokens += chunk.num_draft_tokens
-        self.num_accepted_tokens += chunk.num_accepted_tokens
+        # a stop string cut the block: only its first num_kept tokens were emitted, and its
+        # accepted draft tokens come first (then the recovered or bonus token)
+        self.num_accepted_tokens += min(chunk.num_accepted_tokens, num_kept)
         if chunk.num_draft_tokens > 0:
             self.num_drafts += 1
         return generate_pb2.GenerateChunk(

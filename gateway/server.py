@@ -52,10 +52,13 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
         """Closes the coordinator channel."""
         await self._channel.close()
 
-    async def _abort_at_coordinator(self, request_id: str) -> bool:
+    async def _abort_at_coordinator(self, request_id: str, num_output_tokens: int | None = None) -> bool:
+        """Abort ``request_id`` at the coordinator; ``num_output_tokens``: the output tokens the
+        client got, so that its counters count only those (issue 25.2; ``coordinator.emitted``)."""
         try:
             response = await self._coordinator.Abort(
-                common_pb2.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S)
+                common_pb2.AbortRequest(request_id=request_id, num_output_tokens=num_output_tokens),
+                timeout=ABORT_TIMEOUT_S)
             return response.found
         except grpc.aio.AioRpcError as exc:
             logger.warning("abort of %s at the coordinator failed: %s", request_id, exc.details())
@@ -119,7 +122,8 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
         output = RequestOutput(self._tokenizer.hf_tokenizer, prepared.prompt_token_ids,
                                prepared.stops, prepared.include_stop_str_in_output)
         call = self._coordinator.Generate(coordinator_pb2.CoordinatorGenerateRequest(
-            request_id=request_id, prompt_token_ids=prepared.prompt_token_ids, sampling=prepared.sampling))
+            request_id=request_id, prompt_token_ids=prepared.prompt_token_ids, sampling=prepared.sampling,
+            has_stop_strings=bool(prepared.stops)))
         is_done = False
         try:
             async for response in call:
@@ -130,6 +134,8 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
                         break
                 elif kind == "finished":
                     is_done = True
+                    if prepared.stops and self._owns(request_id, owner):  # settle its counters, held
+                        await self._abort_at_coordinator(request_id, len(output.output_token_ids))
                     async for final in self._finish(output, request_id, response.finished.finish_reason,
                                                     response.finished.usage if response.finished.HasField("usage") else None):
                         yield final
@@ -142,7 +148,7 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
                 is_done = True
                 call.cancel()
                 if self._owns(request_id, owner):
-                    await self._abort_at_coordinator(request_id)
+                    await self._abort_at_coordinator(request_id, len(output.output_token_ids))
                 async for final in self._finish(output, request_id, FINISH_ABORT, None):
                     yield final
                 return

@@ -128,6 +128,7 @@ def _check_sampling(s: common_pb2.SamplingParams, vocab_size: int, max_num_stops
     _check_range("sampling.top_p", s.top_p, 0 <= s.top_p <= 1, "in (0, 1] (0 = unset)")
     _check_range("sampling.top_k", s.top_k, s.top_k >= TOP_K_OFF, ">= -1 (-1 or 0 = off)")
     _check_range("sampling.min_p", s.min_p, 0 <= s.min_p <= 1, "in [0, 1]")
+    _check_penalties(s)
     if s.HasField("seed") and s.seed < 0:
         raise InvalidRequestError("sampling.seed", f"must be >= 0, got {s.seed}")
     if s.max_tokens < 0:
@@ -146,6 +147,15 @@ def _check_sampling(s: common_pb2.SamplingParams, vocab_size: int, max_num_stops
     bad = [t for t in s.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError("sampling.stop_token_ids", f"ids out of [0, {vocab_size}): {bad[:5]}")
+
+
+def _check_penalties(s: common_pb2.SamplingParams) -> None:
+    """vLLM's ranges: presence and frequency in [-2, 2], repetition > 0 (0 on the wire = unset)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        _check_range(f"sampling.{name}", value, -2 <= value <= 2, "in [-2, 2]")
+    _check_range("sampling.repetition_penalty", s.repetition_penalty,
+                 math.isfinite(s.repetition_penalty) and s.repetition_penalty >= 0, "finite and > 0 (0 = unset)")
 
 
 def _resolve_max_tokens(requested: int, prompt_len: int, cfg: GatewayConfig) -> int:

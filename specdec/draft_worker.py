@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 
 from specdec.draft_format import draft_vocab_ids
+from specdec.penalties import apply_penalties
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
-from specdec.worker_base import DraftCapacityError, Worker, RequestState
+from specdec.worker_base import DraftCapacityError, Worker, RequestState, penalty_history
 from specdec.worker_base import tracer as _tracer
 
 
@@ -63,6 +64,7 @@ class DraftWorker(Worker):
         for (_, prompt, _), (state, _) in zip(items, self._new_states(items, is_draft=True)):
             state.committed = list(prompt)
             state.kv_token_ids = list(prompt)
+            state.num_prompt_tokens = len(prompt)
 
     def facts(self):
         """``EngineFacts`` of the draft runner; sampled drafts come with draft probabilities."""
@@ -146,7 +148,10 @@ class DraftWorker(Worker):
         steps: list[tuple[list[int], torch.Tensor]] = []                    # (rows, q [rows, V])
         for step in range(max(ks)):
             with _tracer.start_as_current_span("draft.sample"):
-                q = logits_to_probs(last_logits.unsqueeze(1), [states[r].params for r in rows])[:, 0]
+                params = [states[r].params for r in rows]   # penalties: history = output + own drafts
+                scored = apply_penalties(last_logits.unsqueeze(1), params,
+                                         [penalty_history(states[r], tokens[r]) for r in rows], vocab_ids=self.vocab_ids)
+                q = logits_to_probs(scored, params)[:, 0]
                 sampled = sample_from_probs(q, [is_greedy[r] for r in rows], [states[r].generator for r in rows])
             for row, token in zip(rows, self._to_target_ids(sampled)):
                 tokens[row].append(token)

@@ -43,6 +43,13 @@ class SamplingParams:
         ignore_eos: if True, the model's EOS does not end the request.
         logprobs: how many most likely tokens (with their target log-probabilities) to return
             per output token, >= 0; 0 = only the sampled token's log-probability.
+        presence_penalty: in [-2, 2]; subtracted from the logit of every token that occurs in the
+            output so far (vLLM / OpenAI); 0 = off.
+        frequency_penalty: in [-2, 2]; subtracted times the token's count in the output so far.
+        repetition_penalty: > 0; tokens of the prompt or the output so far get logit / penalty
+            when positive, logit * penalty otherwise (Keskar et al. 2019, vLLM); 1 = off.
+            Penalties act on the raw logits before temperature (so greedy takes the argmax of
+            the penalised logits); ``specdec.penalties``.
 
     Raises:
         ValueError: naming the first invalid field.
@@ -57,6 +64,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -73,10 +83,20 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens}")
         if not isinstance(self.logprobs, int) or self.logprobs < 0:
             raise ValueError(f"logprobs must be an int >= 0, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise ValueError(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
         stop_ids = tuple(self.stop_token_ids)
         if any(not isinstance(t, int) or t < 0 for t in stop_ids):
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids}")
         object.__setattr__(self, "stop_token_ids", stop_ids)
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a presence, frequency or repetition penalty is on."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def is_greedy(self) -> bool:
@@ -99,32 +119,57 @@ def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=like.dtype, device=like.device).view(-1, 1, 1)
 
 
+def on_rows(tensor: torch.Tensor, rows: list[int], processor) -> torch.Tensor:
+    """``tensor`` [b, q, V] with ``processor`` applied to the ``rows`` only (a [r, q, V] ->
+    [r, q, V] function); the other rows are returned untouched, bit for bit, so that a row's
+    distribution never depends on what its batch-mates ask for (issue 25.1)."""
+    if not rows:
+        return tensor
+    if len(rows) == tensor.shape[0]:
+        return processor(tensor)
+    index = torch.tensor(rows, device=tensor.device)
+    return tensor.index_copy(0, index, processor(tensor.index_select(0, index)))
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k and then top-p set. logits [b, q, V]."""
+    """Mask (to -inf) tokens outside each row's top-k and then top-p set. logits [b, q, V].
+
+    Only the rows with a top-k below V or a top-p below 1 are sorted and masked, and the top-p
+    test runs only on rows with top_p < 1: a float32 cumulative sum reaches 1.0 before the end of
+    the vocabulary, so the test would drop real tail tokens of a ``top_p = 1`` row."""
     vocab_size = logits.shape[-1]
-    top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
-    top_ps = [p.top_p for p in params]
-    if all(k >= vocab_size for k in top_ks) and all(p >= 1.0 for p in top_ps):
-        return logits
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab_size, device=logits.device).view(1, 1, -1)
-    k_col = torch.tensor(top_ks, device=logits.device).view(-1, 1, 1)
-    sorted_logits = sorted_logits.masked_fill(ranks >= k_col, -math.inf)
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    # Probability mass strictly before each token; the first token always stays (top_p > 0).
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= _column(top_ps, logits), -math.inf)
-    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+    rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab_size or p.top_p < 1.0]
+
+    def mask(sub: torch.Tensor) -> torch.Tensor:
+        chosen = [params[i] for i in rows]
+        sorted_logits, sorted_idx = sub.sort(dim=-1, descending=True, stable=True)
+        ranks = torch.arange(vocab_size, device=sub.device).view(1, 1, -1)
+        k_col = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in chosen],
+                             device=sub.device).view(-1, 1, 1)
+        sorted_logits = sorted_logits.masked_fill(ranks >= k_col, -math.inf)
+        if any(p.top_p < 1.0 for p in chosen):
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            # Probability mass strictly before each token; the first token always stays (top_p > 0).
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            has_top_p = torch.tensor([p.top_p < 1.0 for p in chosen], device=sub.device).view(-1, 1, 1)
+            is_out = (mass_before >= _column([p.top_p for p in chosen], sub)) & has_top_p
+            sorted_logits = sorted_logits.masked_fill(is_out, -math.inf)
+        return torch.empty_like(sub).scatter_(-1, sorted_idx, sorted_logits)
+
+    return on_rows(logits, rows, mask)
 
 
 def _apply_min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Zero tokens with prob < min_p * max prob and renormalise. probs [b, q, V]."""
-    min_ps = [p.min_p for p in params]
-    if all(m == 0.0 for m in min_ps):
-        return probs
-    threshold = _column(min_ps, probs) * probs.amax(dim=-1, keepdim=True)
-    probs = probs.masked_fill(probs < threshold, 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True)
+    """Zero tokens with prob < min_p * max prob and renormalise, on the rows with min_p > 0
+    only (the others are not renormalised). probs [b, q, V]."""
+    rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
+
+    def cut(sub: torch.Tensor) -> torch.Tensor:
+        threshold = _column([params[i].min_p for i in rows], sub) * sub.amax(dim=-1, keepdim=True)
+        sub = sub.masked_fill(sub < threshold, 0.0)
+        return sub / sub.sum(dim=-1, keepdim=True)
+
+    return on_rows(probs, rows, cut)
 
 
 def logits_to_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -23,10 +23,12 @@ import torch
 
 from specdec.draft_worker import DraftWorker
 from specdec.fixed_acceptance import FixedAcceptance, fixed_acceptance_sample
+from specdec.penalties import apply_penalties
 from specdec.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
 from specdec.runner import ModelRunner
 from specdec.sampling import SamplingParams, logits_to_probs, sample_from_probs
-from specdec.worker_base import DraftCapacityError, RequestState, StepOutput, Worker, decode_steps, top_logprobs
+from specdec.worker_base import (DraftCapacityError, RequestState, StepOutput, Worker, decode_steps, penalty_history,
+                                 top_logprobs)
 from specdec.worker_base import tracer as _tracer
 
 __all__ = ["DraftCapacityError", "DraftWorker", "StepOutput", "TargetWorker", "top_logprobs"]
@@ -64,11 +66,16 @@ class TargetWorker(Worker):
             ValueError: duplicate id or empty prompt. CapacityError: no slot / prompt too long.
         """
         outputs = []
-        for (request_id, _, params), (state, logits) in zip(items, self._new_states(items, is_draft=False)):
+        for (request_id, prompt, params), (state, logits) in zip(items, self._new_states(items, is_draft=False)):
+            if params.has_penalties:                                     # their history
+                state.committed, state.num_prompt_tokens = list(prompt), len(prompt)
             logits = logits.unsqueeze(0)                                 # [1, V]
-            probs = logits_to_probs(logits.unsqueeze(1), [params])[:, 0]
+            scored = apply_penalties(logits.unsqueeze(1), [params], [penalty_history(state)])
+            probs = logits_to_probs(scored, [params])[:, 0]
             token_id = int(sample_from_probs(probs, [params.is_greedy], [state.generator])[0])
             state.pending_token_id = token_id
+            if params.has_penalties:
+                state.committed.append(token_id)
             logprobs = logits.log_softmax(-1)                            # [1, V]
             outputs.append(StepOutput(request_id, [token_id], 0, [float(logprobs[0, token_id])],
                                       top_logprobs(logprobs, params.logprobs)))
@@ -118,7 +125,10 @@ class TargetWorker(Worker):
             draft_ids = torch.tensor(padded, dtype=torch.int64, device=device).view(len(states), k)
             num_draft = torch.tensor(lengths, dtype=torch.int64, device=device)
             probs = None if draft_probs is None else draft_probs[:, :k]
-            output, num_accepted = self._sample(states, draft_ids, probs, logits, num_draft)
+            # position j's penalties count d_1..d_j as output (the history if they are accepted)
+            scored = apply_penalties(logits, [s.params for s in states], [penalty_history(s) for s in states],
+                                     draft_token_ids)
+            output, num_accepted = self._sample(states, draft_ids, probs, scored, num_draft)
             output, num_accepted = output.cpu(), num_accepted.cpu()   # one device sync per step
         logprobs = logits.log_softmax(dim=-1)
         return [self._commit(rid, state, kv_len, output[row], int(num_accepted[row]), logprobs[row])
@@ -151,6 +161,8 @@ class TargetWorker(Worker):
         token_ids = output[: num_accepted + 1].tolist()
         self.runner.truncate(state.slot, kv_len + 1 + num_accepted)
         state.pending_token_id = token_ids[-1]
+        if state.params.has_penalties:
+            state.committed += token_ids
         positions = torch.arange(num_accepted + 1)
         token_logprobs = logprobs[positions, torch.tensor(token_ids)].tolist()
         return StepOutput(request_id, token_ids, num_accepted, token_logprobs,

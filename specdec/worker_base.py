@@ -96,8 +96,18 @@ class RequestState:
     params: SamplingParams
     generator: torch.Generator
     pending_token_id: int = -1                                  # target only
-    committed: list[int] = field(default_factory=list)           # draft only
+    committed: list[int] = field(default_factory=list)           # draft; target with penalties
+    num_prompt_tokens: int = 0                                   # of committed: the prompt
     kv_token_ids: list[int] = field(default_factory=list)        # draft only
+
+
+def penalty_history(state: RequestState, drafted: list[int] = ()) -> tuple[list[int], list[int]] | None:
+    """(prompt, output so far + ``drafted``) of a request with penalties (``specdec.penalties``),
+    from its committed tokens; None without penalties."""
+    if not state.params.has_penalties:
+        return None
+    split = state.num_prompt_tokens
+    return state.committed[:split], state.committed[split:] + list(drafted)
 
 
 def prefill_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:

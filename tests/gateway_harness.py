@@ -30,6 +30,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.step_delay_s = 0.0
         self.requests: list[coordinator_pb2.CoordinatorGenerateRequest] = []
         self.aborted: list[str] = []
+        self.num_output_tokens: dict[str, int] = {}  # AbortRequest.num_output_tokens by request id
         self.error: common_pb2.GenerateError | None = None
 
     async def Generate(self, request, context):
@@ -56,6 +57,8 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def Abort(self, request, context):
         self.aborted.append(request.request_id)
+        if request.HasField("num_output_tokens"):
+            self.num_output_tokens[request.request_id] = request.num_output_tokens
         return common_pb2.AbortResponse(found=True)
 
     async def GetStatus(self, request, context):

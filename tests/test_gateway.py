@@ -75,6 +75,11 @@ BAD_REQUESTS = [
     (dict(prompt_token_ids=[49152]), "prompt_token_ids"),
     (dict(messages=[]), "messages"),
     (dict(prompt="hi", stop=["x" * 1025]), "sampling.stop"),               # issue 25.4: over-long stop string
+    (dict(prompt="hi", presence_penalty=2.5), "sampling.presence_penalty"),
+    (dict(prompt="hi", frequency_penalty=-2.5), "sampling.frequency_penalty"),
+    (dict(prompt="hi", frequency_penalty=math.nan), "sampling.frequency_penalty"),
+    (dict(prompt="hi", repetition_penalty=-0.5), "sampling.repetition_penalty"),
+    (dict(prompt="hi", repetition_penalty=math.inf), "sampling.repetition_penalty"),
     (dict(prompt="hi", request_id="r" * 513), "request_id"),             # and request id
 ]
 
@@ -137,6 +142,21 @@ def test_stop_string_split_across_two_chunks(client, stack, tokenizer):
     assert final.finish_reason == "stop"
     assert list(final.output_token_ids) == ids[:2]  # "Hello", " world"
     assert "req-stop" in fake.aborted
+    assert fake.requests[-1].has_stop_strings and fake.num_output_tokens["req-stop"] == 2
+
+
+def test_stop_string_inside_a_block_counts_only_the_emitted_accepted_tokens(client, stack, tokenizer):
+    """Issue 25.2: the coordinator learns where the text was cut, and usage counts up to there."""
+    fake, _ = stack
+    ids = tokenizer.encode("1: I will never", add_special_tokens=False)
+    fake.script = [ids[:1], ids[1:5]]            # the fake: drafted 3, accepted len - 1 = 3
+    result = client.generate("hi", request_id="req-cut", stop=[":"], max_tokens=20)
+    assert result.text == "1" and result.finish_reason == "stop"
+    assert result.usage.completion_tokens == 2
+    assert result.usage.num_accepted_tokens == 1 and result.usage.num_drafts == 1
+    assert fake.num_output_tokens["req-cut"] == 2
+    client.generate("hi", request_id="req-settle", stop=["never-seen"], max_tokens=20)
+    assert fake.num_output_tokens["req-settle"] == 5   # finished on its own: settled with all
 
 
 def test_incremental_detokenization_of_multibyte_characters(client, stack, tokenizer):

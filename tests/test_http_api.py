@@ -101,13 +101,30 @@ def test_coordinator_errors_map_to_http_status(gateway, fake, code, status, is_s
     ({"prompt": "hi", "top_p": 1.5}, "top_p"),
     ({"prompt": "hi", "max_tokens": 1000}, "max_tokens"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "hi", "repetition_penalty": -1.0}, "repetition_penalty"),
 ])
 def test_invalid_body_is_400_naming_the_param(gateway, fake, body, param):
     _, port = gateway
     status, response = _request(port, "POST", "/v1/completions", body)
     assert status == 400 and response["error"]["param"] == param, response
     assert response["error"]["type"] == "invalid_request_error"
+
+
+def test_penalties_reach_the_coordinator_on_completions_and_chat(gateway, fake):
+    _, port = gateway
+    fake.script = [[5]]
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": -1.25, "repetition_penalty": 1.5}
+    for route, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": [
+            {"role": "user", "content": "hi"}]})):
+        status, _ = _request(port, "POST", route, {**body, "max_tokens": 1, **penalties})
+        sampling = fake.requests[-1].sampling
+        assert status == 200 and (sampling.presence_penalty, sampling.frequency_penalty,
+                                  sampling.repetition_penalty) == (0.5, -1.25, 1.5)
+    _request(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+    assert fake.requests[-1].sampling.repetition_penalty == 0.0    # unset on the wire: the engines read 1
 
 
 def test_chat_params_are_named_as_sent(gateway, fake):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19minedraft/v1/common.proto\x12\x0cminedraft.v1\"\xf2\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0c\n\x04stop\x18\t \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18\x0b \x01(\x05\x42\x07\n\x05_seed\"\x84\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x04 \x01(\x05\x12\x12\n\nnum_drafts\x18\x05 \x01(\x05\"4\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\".\n\rGenerateError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19minedraft/v1/common.proto\x12\x0cminedraft.v1\"\xc3\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0c\n\x04stop\x18\t \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18\x0b \x01(\x05\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0e \x01(\x02\x42\x07\n\x05_seed\"\x84\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x04 \x01(\x05\x12\x12\n\nnum_drafts\x18\x05 \x01(\x05\"4\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"X\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x11num_output_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\x14\n\x12_num_output_tokens\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\".\n\rGenerateError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,19 +32,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'minedraft.v1.common_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=286
-  _globals['_USAGE']._serialized_start=289
-  _globals['_USAGE']._serialized_end=421
-  _globals['_TENSOR']._serialized_start=423
-  _globals['_TENSOR']._serialized_end=475
-  _globals['_TOPLOGPROBS']._serialized_start=477
-  _globals['_TOPLOGPROBS']._serialized_end=527
-  _globals['_TOKENIDS']._serialized_start=529
-  _globals['_TOKENIDS']._serialized_end=552
-  _globals['_ABORTREQUEST']._serialized_start=554
-  _globals['_ABORTREQUEST']._serialized_end=588
-  _globals['_ABORTRESPONSE']._serialized_start=590
-  _globals['_ABORTRESPONSE']._serialized_end=620
-  _globals['_GENERATEERROR']._serialized_start=622
-  _globals['_GENERATEERROR']._serialized_end=668
+  _globals['_SAMPLINGPARAMS']._serialized_end=367
+  _globals['_USAGE']._serialized_start=370
+  _globals['_USAGE']._serialized_end=502
+  _globals['_TENSOR']._serialized_start=504
+  _globals['_TENSOR']._serialized_end=556
+  _globals['_TOPLOGPROBS']._serialized_start=558
+  _globals['_TOPLOGPROBS']._serialized_end=608
+  _globals['_TOKENIDS']._serialized_start=610
+  _globals['_TOKENIDS']._serialized_end=633
+  _globals['_ABORTREQUEST']._serialized_start=635
+  _globals['_ABORTREQUEST']._serialized_end=723
+  _globals['_ABORTRESPONSE']._serialized_start=725
+  _globals['_ABORTRESPONSE']._serialized_end=755
+  _globals['_GENERATEERROR']._serialized_start=757
+  _globals['_GENERATEERROR']._serialized_end=803
 # @@protoc_insertion_point(module_scope)

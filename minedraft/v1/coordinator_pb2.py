@@ -25,25 +25,25 @@ _sym_db = _symbol_database.Default()
 from minedraft.v1 import common_pb2 as minedraft_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eminedraft/v1/coordinator.proto\x12\x0cminedraft.v1\x1a\x19minedraft/v1/common.proto\"z\n\x1a\x43oordinatorGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.minedraft.v1.SamplingParams\"\x99\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x04 \x01(\x05\x12/\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x19.minedraft.v1.TopLogprobs\"E\n\x08\x46inished\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.minedraft.v1.Usage\"\xae\x01\n\x1b\x43oordinatorGenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.minedraft.v1.TokenChunkH\x00\x12*\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x16.minedraft.v1.FinishedH\x00\x12,\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1b.minedraft.v1.GenerateErrorH\x00\x42\n\n\x08response\"\x0f\n\rStatusRequest\"\xb1\x04\n\x0eStatusResponse\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x13\n\x0b\x62\x61tch_sizes\x18\x04 \x03(\x05\x12\x0f\n\x07\x62\x61lance\x18\x05 \x01(\x05\x12\x12\n\nskip_batch\x18\x06 \x01(\x05\x12\x11\n\tnum_steps\x18\x07 \x01(\x04\x12\x1a\n\x12num_parallel_steps\x18\x08 \x01(\x04\x12\x1c\n\x14is_drafter_available\x18\t \x01(\x08\x12\x1e\n\x16num_speculative_tokens\x18\n \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x0b \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\x0c \x01(\x04\x12\x1a\n\x12num_emitted_tokens\x18\r \x01(\x04\x12\x10\n\x08\x64raft_ms\x18\x0e \x01(\x01\x12\x11\n\tverify_ms\x18\x0f \x01(\x01\x12\x15\n\rdata_plane_ms\x18\x10 \x01(\x01\x12\x0f\n\x07idle_ms\x18\x11 \x01(\x01\x12\x14\n\x0cstep_wall_ms\x18\x12 \x01(\x01\x12\x17\n\x0fmax_num_running\x18\x13 \x01(\x05\x12\x16\n\x0e\x65\x66\x66\x65\x63tive_mode\x18\x14 \x01(\t\x12\x1a\n\x12num_verifier_slots\x18\x15 \x01(\x05\x12\x19\n\x11num_drafter_slots\x18\x16 \x01(\x05\x12\x10\n\x08k_policy\x18\x17 \x01(\t\x12\x10\n\x08\x62\x61lancer\x18\x18 \x01(\t2\xfa\x01\n\x0b\x43oordinator\x12\x61\n\x08Generate\x12(.minedraft.v1.CoordinatorGenerateRequest\x1a).minedraft.v1.CoordinatorGenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.minedraft.v1.AbortRequest\x1a\x1b.minedraft.v1.AbortResponse\x12\x46\n\tGetStatus\x12\x1b.minedraft.v1.StatusRequest\x1a\x1c.minedraft.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eminedraft/v1/coordinator.proto\x12\x0cminedraft.v1\x1a\x19minedraft/v1/common.proto\"\x94\x01\n\x1a\x43oordinatorGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.minedraft.v1.SamplingParams\x12\x18\n\x10has_stop_strings\x18\x04 \x01(\x08\"\x99\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x04 \x01(\x05\x12/\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x19.minedraft.v1.TopLogprobs\"E\n\x08\x46inished\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.minedraft.v1.Usage\"\xae\x01\n\x1b\x43oordinatorGenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.minedraft.v1.TokenChunkH\x00\x12*\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x16.minedraft.v1.FinishedH\x00\x12,\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1b.minedraft.v1.GenerateErrorH\x00\x42\n\n\x08response\"\x0f\n\rStatusRequest\"\xb1\x04\n\x0eStatusResponse\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x13\n\x0b\x62\x61tch_sizes\x18\x04 \x03(\x05\x12\x0f\n\x07\x62\x61lance\x18\x05 \x01(\x05\x12\x12\n\nskip_batch\x18\x06 \x01(\x05\x12\x11\n\tnum_steps\x18\x07 \x01(\x04\x12\x1a\n\x12num_parallel_steps\x18\x08 \x01(\x04\x12\x1c\n\x14is_drafter_available\x18\t \x01(\x08\x12\x1e\n\x16num_speculative_tokens\x18\n \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x0b \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\x0c \x01(\x04\x12\x1a\n\x12num_emitted_tokens\x18\r \x01(\x04\x12\x10\n\x08\x64raft_ms\x18\x0e \x01(\x01\x12\x11\n\tverify_ms\x18\x0f \x01(\x01\x12\x15\n\rdata_plane_ms\x18\x10 \x01(\x01\x12\x0f\n\x07idle_ms\x18\x11 \x01(\x01\x12\x14\n\x0cstep_wall_ms\x18\x12 \x01(\x01\x12\x17\n\x0fmax_num_running\x18\x13 \x01(\x05\x12\x16\n\x0e\x65\x66\x66\x65\x63tive_mode\x18\x14 \x01(\t\x12\x1a\n\x12num_verifier_slots\x18\x15 \x01(\x05\x12\x19\n\x11num_drafter_slots\x18\x16 \x01(\x05\x12\x10\n\x08k_policy\x18\x17 \x01(\t\x12\x10\n\x08\x62\x61lancer\x18\x18 \x01(\t2\xfa\x01\n\x0b\x43oordinator\x12\x61\n\x08Generate\x12(.minedraft.v1.CoordinatorGenerateRequest\x1a).minedraft.v1.CoordinatorGenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.minedraft.v1.AbortRequest\x1a\x1b.minedraft.v1.AbortResponse\x12\x46\n\tGetStatus\x12\x1b.minedraft.v1.StatusRequest\x1a\x1c.minedraft.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'minedraft.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COORDINATORGENERATEREQUEST']._serialized_start=75
-  _globals['_COORDINATORGENERATEREQUEST']._serialized_end=197
-  _globals['_TOKENCHUNK']._serialized_start=200
-  _globals['_TOKENCHUNK']._serialized_end=353
-  _globals['_FINISHED']._serialized_start=355
-  _globals['_FINISHED']._serialized_end=424
-  _globals['_COORDINATORGENERATERESPONSE']._serialized_start=427
-  _globals['_COORDINATORGENERATERESPONSE']._serialized_end=601
-  _globals['_STATUSREQUEST']._serialized_start=603
-  _globals['_STATUSREQUEST']._serialized_end=618
-  _globals['_STATUSRESPONSE']._serialized_start=621
-  _globals['_STATUSRESPONSE']._serialized_end=1182
-  _globals['_COORDINATOR']._serialized_start=1185
-  _globals['_COORDINATOR']._serialized_end=1435
+  _globals['_COORDINATORGENERATEREQUEST']._serialized_start=76
+  _globals['_COORDINATORGENERATEREQUEST']._serialized_end=224
+  _globals['_TOKENCHUNK']._serialized_start=227
+  _globals['_TOKENCHUNK']._serialized_end=380
+  _globals['_FINISHED']._serialized_start=382
+  _globals['_FINISHED']._serialized_end=451
+  _globals['_COORDINATORGENERATERESPONSE']._serialized_start=454
+  _globals['_COORDINATORGENERATERESPONSE']._serialized_end=628
+  _globals['_STATUSREQUEST']._serialized_start=630
+  _globals['_STATUSREQUEST']._serialized_end=645
+  _globals['_STATUSRESPONSE']._serialized_start=648
+  _globals['_STATUSRESPONSE']._serialized_end=1209
+  _globals['_COORDINATOR']._serialized_start=1212
+  _globals['_COORDINATOR']._serialized_end=1462
 # @@protoc_insertion_point(module_scope)

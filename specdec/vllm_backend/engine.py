@@ -228,8 +228,9 @@ def refusals_as_value_errors():
 
 
 def to_vllm_sampling(params: SamplingParams, max_tokens: int, seed: int | None = None):
-    """vLLM ``SamplingParams`` of an engine request: the same temperature / top-k / top-p / min-p
-    and seed, EOS and stop handling off (the coordinator finishes requests), ``max_tokens``
+    """vLLM ``SamplingParams`` of an engine request: the same temperature / top-k / top-p / min-p,
+    presence / frequency / repetition penalties (vLLM's rejection sampler counts the draft tokens
+    before each position as output, as ``specdec.penalties`` does) and seed, EOS and stop handling off (the coordinator finishes requests), ``max_tokens``
     output tokens, token ids only (no detokenizer), deltas per step, and the sampled token's
     raw logprob plus ``params.logprobs`` top logprobs (vLLM's ``raw_logprobs``: log-softmax of
     the unprocessed logits, as ``specdec.worker_base.StepOutput`` defines them)."""
@@ -239,5 +240,7 @@ def to_vllm_sampling(params: SamplingParams, max_tokens: int, seed: int | None =
     return VllmSamplingParams(
         n=1, temperature=params.temperature, top_k=0 if params.top_k == TOP_K_OFF else params.top_k,
         top_p=params.top_p, min_p=params.min_p, seed=params.seed if seed is None else seed,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
         max_tokens=max_tokens, ignore_eos=True, logprobs=params.logprobs, detokenize=False,
         skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)

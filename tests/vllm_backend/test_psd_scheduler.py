@@ -6,7 +6,8 @@ target and one draft engine per module. Checked: ``PsdScheduler`` runs only the 
 reference), the coordinator's drafts reach vLLM exactly (ragged k_i), a stray waiting request
 and a too-small KV cache are refused, greedy verification is exact for any draft, seeded
 sampling repeats whatever shares the batch, sampled speculative decoding with a different
-draft model reproduces the target's exact distribution (chi-square), release frees the KV, and
+draft model reproduces the target's exact distribution (chi-square), penalised greedy verification
+counts the earlier drafts as output (vLLM's penalties under speculation), release frees the KV, and
 ``VllmDraftWorker``'s catch-up, capacity and unknown-id contracts.
 """
 from __future__ import annotations
@@ -368,6 +369,44 @@ def test_draft_capacity_error_changes_nothing_and_unknown_ids_raise(drafter):
         drafter.release("cap")
 
 
+PENALTIES = dict(presence_penalty=0.7, frequency_penalty=0.6, repetition_penalty=1.8)
+
+
+@torch.no_grad()
+def _hf_greedy_penalised(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding of the HF model with vLLM's penalty definitions (specdec.penalties)."""
+    from specdec.penalties import apply_penalties
+
+    ids, params = list(prompt), SamplingParams(temperature=0.0, **PENALTIES)
+    for _ in range(n):
+        logits = model(torch.tensor([ids])).logits[:, -1:].double()
+        ids.append(int(apply_penalties(logits, [params], [(prompt, ids[len(prompt):])])[0, 0].argmax()))
+    return ids[len(prompt):]
+
+
+def test_penalised_greedy_verify_counts_the_drafts_before_each_position(target, models):
+    """vLLM's penalties under speculation: a draft position's history includes the earlier drafts,
+    so drafts equal to the penalised greedy reference are all accepted, and ar equals it too."""
+    prompt, params = _prompt(50, 12), SamplingParams(temperature=0.0, seed=0, **PENALTIES)
+    ref = _hf_greedy_penalised(models[2], prompt, 40)
+    assert ref != _hf_greedy(models[2], prompt, 40)
+    out = target.add_requests([("pen-ar", prompt, params)])[0].token_ids
+    for _ in range(10):
+        out += target.verify(["pen-ar"], [[]])[0].token_ids
+    target.release("pen-ar")
+    assert out == ref[:11]
+    out = target.add_requests([("pen-sd", prompt, params)])[0].token_ids
+    try:
+        for step in range(8):
+            num_correct = K if step % 2 == 0 else step % K
+            result = target.verify(["pen-sd"], [_drafts(ref, len(out), num_correct)])[0]
+            assert result.num_accepted == num_correct
+            assert result.token_ids == ref[len(out):len(out) + num_correct + 1]
+            out += result.token_ids
+    finally:
+        target.release("pen-sd")
+
+
 def test_kv_cache_below_max_num_seqs_times_max_model_len_is_refused(models):
     cfg = _cfg(models[0], max_num_seqs=16, num_speculative_tokens=K)   # 16 x 3 blocks of 128 (256 + k tokens)
     fake = types.SimpleNamespace(vllm_config=types.SimpleNamespace(
@@ -379,3 +418,4 @@ def test_kv_cache_below_max_num_seqs_times_max_model_len_is_refused(models):
     with pytest.raises(CapacityError, match="max_num_seqs=64"):  # 1 MiB of KV holds 1024 tokens, not 64 x 256
         build_engine(VllmEngineConfig(model=models[0], max_num_seqs=64, max_model_len=MAX_LEN, enforce_eager=True,
                                       kv_cache_space_gib=1 / 1024))
+
