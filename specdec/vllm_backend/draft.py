@@ -153,7 +153,7 @@ class VllmDraftWorker:
                 prompt, params, n, seed = jobs[rid]
                 with refusals_as_value_errors():
                     vllm_ids.append(self.engine.add_request(name, {"prompt_token_ids": prompt},
-                                                            to_vllm_sampling(params, n, seed=seed)))
+                                                            to_vllm_sampling(params, n, seed=seed, with_logprobs=False)))
             pending = set(names)
             for _ in range(max(n for _, _, n, _ in jobs.values()) + MAX_DRAFT_STEPS_SLACK):
                 for name, output in collect_step(self.engine.step()).items():

@@ -227,13 +227,14 @@ def refusals_as_value_errors():
         raise ValueError(f"refused by vLLM: {exc}") from exc
 
 
-def to_vllm_sampling(params: SamplingParams, max_tokens: int, seed: int | None = None):
+def to_vllm_sampling(params: SamplingParams, max_tokens: int, seed: int | None = None, with_logprobs: bool = True):
     """vLLM ``SamplingParams`` of an engine request: the same temperature / top-k / top-p / min-p,
     presence / frequency / repetition penalties (vLLM's rejection sampler counts the draft tokens
-    before each position as output, as ``specdec.penalties`` does) and seed, EOS and stop handling off (the coordinator finishes requests), ``max_tokens``
-    output tokens, token ids only (no detokenizer), deltas per step, and the sampled token's
+    before each position as output, as ``specdec.penalties`` does) and seed, EOS and stop
+    handling off (the coordinator finishes requests), ``max_tokens`` output tokens, token ids only (no detokenizer), deltas per step, and the sampled token's
     raw logprob plus ``params.logprobs`` top logprobs (vLLM's ``raw_logprobs``: log-softmax of
-    the unprocessed logits, as ``specdec.worker_base.StepOutput`` defines them)."""
+    the unprocessed logits, as ``specdec.worker_base.StepOutput`` defines them); none at all
+    without ``with_logprobs`` (draft tokens: nobody reads their logprobs)."""
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -242,5 +243,5 @@ def to_vllm_sampling(params: SamplingParams, max_tokens: int, seed: int | None =
         top_p=params.top_p, min_p=params.min_p, seed=params.seed if seed is None else seed,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
-        max_tokens=max_tokens, ignore_eos=True, logprobs=params.logprobs, detokenize=False,
-        skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
+        max_tokens=max_tokens, ignore_eos=True, logprobs=params.logprobs if with_logprobs else None,
+        detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)
