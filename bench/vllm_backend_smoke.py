@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     is_async = a.device == "cuda"
     target = VllmTargetWorker(VllmEngineConfig(model=target_dir, load_format=fmt, num_speculative_tokens=a.k, **common))
     _allow_another_capture()
-    draft = VllmDraftWorker(VllmEngineConfig(model=draft_dir, load_format=draft_fmt, async_scheduling=is_async, **common))
+    draft = VllmDraftWorker(VllmEngineConfig(model=draft_dir, load_format=draft_fmt, **common))
     build_s = time.perf_counter() - t0
     rng = random.Random(0)
     prompts = {f"r{i}": [rng.randrange(3, 1000) for _ in range(a.prompt_len or 8 + 5 * i)] for i in range(a.num_requests)}

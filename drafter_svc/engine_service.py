@@ -167,7 +167,7 @@ def vllm_engine_config(args: argparse.Namespace, model_dir: str, load_format: st
 
     device = "cuda" if args.device.startswith("cuda") else args.device
     is_async = args.async_scheduling == "on" or (args.async_scheduling == "auto" and device == "cuda"
-                                                 and not overrides.get("num_speculative_tokens"))
+                                                 and overrides.get("num_speculative_tokens") == 0)
     return VllmEngineConfig(
         model=model_dir, device=device, dtype=args.dtype,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, load_format=load_format,
@@ -190,7 +190,8 @@ def add_common_args(parser: argparse.ArgumentParser, default_port: int) -> None:
                         help="--engine vllm: no torch.compile / CUDA graphs (faster start, slower steps)")
     parser.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                         help="--engine vllm: vLLM's async scheduling (the next step scheduled while one runs) "
-                             "for an engine without speculation; auto: on for cuda (vLLM's CPU build has none)")
+                             "for an engine without speculation; auto: on for the ar verifier on cuda, off for the "
+                             "drafter (its short draft calls ran slower with it on the H200); vLLM's CPU build has none")
     parser.add_argument("--dtype", default="float32", help="parameter and KV-cache dtype")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="KV-cache slots")
