@@ -69,10 +69,13 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 def _invalid(exc: InvalidRequestError, body) -> JSONResponse:
+    """400 (404 for an unknown model) whose message and ``param`` name the field as the HTTP body
+    does (``max_tokens``, not the gRPC path ``sampling.max_tokens``)."""
     param = openai_param(exc.field, body)
-    if param == "model" and "unknown model" in str(exc):
-        return error_response(404, str(exc).replace("model: ", "", 1), param, "model_not_found")
-    return error_response(400, str(exc), param)
+    reason = str(exc).removeprefix(f"{exc.field}: ")
+    if param == "model" and "unknown model" in reason:
+        return error_response(404, reason, param, "model_not_found")
+    return error_response(400, f"{param}: {reason}", param)
 
 
 async def unless_disconnected(request: Request, work) -> Response:
@@ -112,10 +115,22 @@ def _body_error(error: dict) -> tuple[str, str | None]:
     if error.get("type") == "json_invalid":
         detail = (error.get("ctx") or {}).get("error", "")
         return f"body: invalid JSON{': ' + detail if detail else ''}", None
-    loc = [str(part) for part in error.get("loc", ())
-           if part != "body" and (isinstance(part, int) or str(part).isidentifier())]
+    path = _field_path(error.get("loc", ()))
     message = error.get("msg", "invalid").removeprefix("Value error, ")  # pydantic's prefix for a ValueError
-    return f"{'.'.join(loc) or 'body'}: {message}", loc[0] if loc else None
+    return f"{path or 'body'}: {message}", path or None
+
+
+def _field_path(loc) -> str:
+    """A pydantic error location as the body's field path, in the style the gateway's own checks
+    use: ``("body", "messages", 0, "content")`` -> ``messages[0].content`` (union branch tags
+    such as ``function-after[...]`` dropped)."""
+    path = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif str(part).isidentifier() and not (i == 0 and part == "body"):
+            path += f".{part}" if path else str(part)
+    return path
 
 
 def _reported_error(errors: list[dict]) -> dict:
