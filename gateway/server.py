@@ -30,7 +30,30 @@ logger = logging.getLogger(__name__)
 FINISH_ABORT = "abort"
 HEALTH_RETRY_S = 0.5
 ABORT_TIMEOUT_S = 5.0
+CANCEL_NOTICE_S = 0.5  # how long a re-sent id waits for the gateway to notice its holder's client cancel
+_POLL_S = 0.01
 SERVICE_NAME = "minedraft.v1.MineDraft"
+
+
+class _Run:
+    """One ``GatewayServicer.run`` holding a request id (the owner token in ``_in_flight``).
+
+    Attributes:
+        context: its gRPC call's context (None over HTTP).
+        is_closing: set once it ends (final message sent, or a cancel being cleaned up): the
+            id is about to be free, so a re-send of the same id waits for ``released``.
+        released: set once it no longer holds the id.
+    """
+
+    def __init__(self, context=None) -> None:
+        self.context = context
+        self.is_closing = False
+        self.released = asyncio.Event()
+
+    def is_ending(self) -> bool:
+        """True once it is closing, or its client has cancelled the call (the handler may not
+        have seen the cancel yet)."""
+        return self.is_closing or (self.context is not None and self.context.cancelled())
 
 
 class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
@@ -41,7 +64,7 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
         self._tokenizer = tokenizer
         self._channel = aio_channel(cfg.coordinator)
         self._coordinator = coordinator_pb2_grpc.CoordinatorStub(self._channel)
-        self._in_flight: dict[str, object] = {}  # request id -> the token of the run() that owns it
+        self._in_flight: dict[str, _Run] = {}  # request id -> the run() that owns it
 
     @property
     def coordinator_channel(self) -> grpc.aio.Channel:
@@ -81,40 +104,61 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
             raise InvalidRequestError("request_id", f"{prepared.request_id!r} is already in flight")
         return prepared
 
-    async def run(self, prepared: PreparedRequest):
+    async def run(self, prepared: PreparedRequest, context=None):
         """Streams one prepared request: GenerateResponse chunks, then one ``complete`` or ``error``.
-        Closing the generator early aborts the request at the coordinator."""
-        request_id, owner = prepared.request_id, object()
+        Closing the generator early aborts the request at the coordinator. ``context``: the gRPC
+        call's, so a re-send of the id right after a client cancel can wait for the id to be free."""
+        request_id, owner = prepared.request_id, _Run(context)
         self._in_flight[request_id] = owner
         try:
             traced = traced_generate(request_id, len(prepared.prompt_token_ids), self._stream(prepared, owner))
             async with contextlib.aclosing(traced) as stream:
                 async for response in stream:
+                    if response.WhichOneof("response") != "chunk":
+                        owner.is_closing = True
                     yield response
         finally:
             self._release(request_id, owner)
 
-    def _owns(self, request_id: str, owner: object) -> bool:
+    async def wait_if_ending(self, request_id: str) -> None:
+        """Before a gRPC request takes ``request_id``: if a run holds it, waits up to
+        ``CANCEL_NOTICE_S`` for that run to be ending (a client cancel arrives just before the
+        re-send, but its handler may be told after the new call starts), then up to
+        ``ABORT_TIMEOUT_S`` for it to free the id. A live duplicate is then refused by ``prepare``."""
+        owner = self._in_flight.get(request_id)
+        if owner is None:
+            return
+        deadline = asyncio.get_running_loop().time() + CANCEL_NOTICE_S
+        while not owner.is_ending() and not owner.released.is_set():
+            if asyncio.get_running_loop().time() >= deadline:
+                return
+            await asyncio.sleep(_POLL_S)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(owner.released.wait(), ABORT_TIMEOUT_S)
+
+    def _owns(self, request_id: str, owner: _Run) -> bool:
         """Whether ``owner``'s run still holds ``request_id`` (an Abort may have freed it already,
         and a new request may hold it now)."""
         return self._in_flight.get(request_id) is owner
 
-    def _release(self, request_id: str, owner: object) -> None:
+    def _release(self, request_id: str, owner: _Run) -> None:
         """Free ``request_id`` for reuse, if ``owner`` still holds it."""
         if self._owns(request_id, owner):
             del self._in_flight[request_id]
+        owner.released.set()
 
     async def Generate(self, request, context):
         await _refuse_malformed(request, context)
+        await self.wait_if_ending(request.request_id)
         try:
             prepared = self.prepare(request)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        async with contextlib.aclosing(self.run(prepared)) as stream:
+        async with contextlib.aclosing(self.run(prepared, context)) as stream:
             async for response in stream:
                 yield response
 
-    async def _stream(self, prepared, owner: object):
+    async def _stream(self, prepared, owner: _Run):
         request_id = prepared.request_id
         output = RequestOutput(self._tokenizer.hf_tokenizer, prepared.prompt_token_ids,
                                prepared.stops, prepared.include_stop_str_in_output)
@@ -153,6 +197,7 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
             yield _error(request_id, exc.code(), f"coordinator: {exc.details()}")
         finally:
             if not is_done:  # client cancelled or the stream broke: free the slots
+                owner.is_closing = True
                 call.cancel()
                 if self._owns(request_id, owner):  # not already aborted (Abort frees the id)
                     await asyncio.shield(self._abort_at_coordinator(request_id))

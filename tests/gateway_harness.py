@@ -28,6 +28,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self) -> None:
         self.script: list[list[int]] = []
         self.step_delay_s = 0.0
+        self.abort_delay_s = 0.0  # an Abort answers after this long (an abort still landing)
         self.requests: list[coordinator_pb2.CoordinatorGenerateRequest] = []
         self.aborted: list[str] = []
         self.error: common_pb2.GenerateError | None = None
@@ -55,6 +56,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
             finished=coordinator_pb2.Finished(finish_reason="length", usage=usage))
 
     async def Abort(self, request, context):
+        await asyncio.sleep(self.abort_delay_s)
         self.aborted.append(request.request_id)
         return common_pb2.AbortResponse(found=True)
 
