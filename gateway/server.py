@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from minedraft.serving import ServingHealth, aio_channel, mirror_health
 from minedraft.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, generate_pb2, generate_pb2_grpc
 
+from gateway.choices import coordinator_ids, stream_choices
 from gateway.config import GatewayConfig
 from gateway.output import RequestOutput
 from gateway.tokenizer import PromptTokenizer
@@ -40,15 +41,18 @@ class _Run:
 
     Attributes:
         context: its gRPC call's context (None over HTTP).
+        coordinator_ids: its requests at the coordinator (one per sample with n / best_of > 1).
         is_closing: set once it ends (final message sent, or a cancel being cleaned up): the
             id is about to be free, so a re-send of the same id waits for ``released``.
         released: set once it no longer holds the id.
     """
 
-    def __init__(self, context=None) -> None:
+    def __init__(self, coordinator_ids: list[str], context=None) -> None:
         self.context = context
+        self.coordinator_ids = coordinator_ids
         self.is_closing = False
         self.released = asyncio.Event()
+        self.num_complete = 0
 
     def is_ending(self) -> bool:
         """True once it is closing, or its client has cancelled the call (the handler may not
@@ -100,25 +104,42 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
             InvalidRequestError: a field is invalid, or the request id is already in flight.
         """
         prepared = prepare_request(request, self._tokenizer, self._cfg)
-        if prepared.request_id in self._in_flight:
-            raise InvalidRequestError("request_id", f"{prepared.request_id!r} is already in flight")
+        for request_id in {prepared.request_id, *coordinator_ids(prepared)}:
+            if request_id in self._in_flight:
+                raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         return prepared
 
     async def run(self, prepared: PreparedRequest, context=None):
         """Streams one prepared request: GenerateResponse chunks, then one ``complete`` or ``error``.
         Closing the generator early aborts the request at the coordinator. ``context``: the gRPC
         call's, so a re-send of the id right after a client cancel can wait for the id to be free."""
-        request_id, owner = prepared.request_id, _Run(context)
-        self._in_flight[request_id] = owner
+        owner = _Run(coordinator_ids(prepared), context)
+        held = {prepared.request_id, *owner.coordinator_ids}
+        self._in_flight.update(dict.fromkeys(held, owner))
         try:
-            traced = traced_generate(request_id, len(prepared.prompt_token_ids), self._stream(prepared, owner))
-            async with contextlib.aclosing(traced) as stream:
+            async with contextlib.aclosing(self._choices(prepared, owner)) as stream:
                 async for response in stream:
-                    if response.WhichOneof("response") != "chunk":
+                    if response.WhichOneof("response") == "error" or self._is_last(response, prepared, owner):
                         owner.is_closing = True
                     yield response
         finally:
-            self._release(request_id, owner)
+            for request_id in held:
+                self._release(request_id, owner)
+
+    def _choices(self, prepared: PreparedRequest, owner: _Run):
+        """The stream of one request (``n`` / ``best_of`` > 1: of its samples, ``gateway.choices``)."""
+        def open_child(child: PreparedRequest):
+            return traced_generate(child.request_id, len(child.prompt_token_ids), self._stream(child, owner))
+
+        return open_child(prepared) if prepared.best_of == 1 else stream_choices(prepared, open_child)
+
+    @staticmethod
+    def _is_last(response, prepared: PreparedRequest, owner: _Run) -> bool:
+        """Whether ``response`` is the request's last ``complete`` (the n-th with n > 1)."""
+        if response.WhichOneof("response") != "complete":
+            return False
+        owner.num_complete += 1
+        return owner.num_complete == prepared.n
 
     async def wait_if_ending(self, request_id: str) -> None:
         """Before a gRPC request takes ``request_id``: if a run holds it, waits up to
@@ -216,9 +237,10 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
         owner = self._in_flight.get(request.request_id)
         if owner is None:
             return common_pb2.AbortResponse(found=False)
-        found = await self._abort_at_coordinator(request.request_id)
+        found = any(await asyncio.gather(*(self._abort_at_coordinator(i) for i in owner.coordinator_ids)))
         if found:  # the coordinator has finished it: its id is free for a new request at once
-            self._release(request.request_id, owner)
+            for request_id in [i for i, run in self._in_flight.items() if run is owner]:
+                self._release(request_id, owner)
         return common_pb2.AbortResponse(found=found)
 
     async def ListModels(self, request, context):
