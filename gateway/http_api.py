@@ -183,7 +183,7 @@ class OpenAIFrontend:
             await stream.aclose()
             status, message = _stream_error(first.error)
             return error_response(status, message)
-        timing = _Timing(route, start)
+        timing = _Timing(route, start, prepared.n)
         if body.stream:
             return StreamingResponse(self._events(first, stream, output, include_usage, timing),
                                      media_type="text/event-stream")
@@ -191,22 +191,23 @@ class OpenAIFrontend:
 
     async def _collect(self, first, stream, output: OpenAIOutput, timing: "_Timing") -> JSONResponse:
         async with contextlib.aclosing(stream):
-            response = first
+            response, completes = first, []
             while True:
                 kind = response.WhichOneof("response")
                 if kind == "chunk":
                     timing.on_chunk(response.chunk)
                     output.add_chunk(response.chunk)
                 elif kind == "complete":
-                    timing.on_done(len(response.complete.output_token_ids))
-                    return JSONResponse(output.response_json(response.complete))
+                    completes.append(response.complete)
+                    if timing.on_complete(response.complete):
+                        return JSONResponse(output.response_json(completes))
                 else:
                     return error_response(*_stream_error(response.error))
                 response = await anext(stream)
 
     async def _events(self, first, stream, output: OpenAIOutput, include_usage: bool, timing: "_Timing"):
         async with contextlib.aclosing(stream):
-            response = first
+            response, completes = first, []
             while True:
                 kind = response.WhichOneof("response")
                 if kind == "chunk":
@@ -215,10 +216,12 @@ class OpenAIFrontend:
                     if event is not None:
                         yield _sse(event)
                 elif kind == "complete":
-                    timing.on_done(len(response.complete.output_token_ids))
-                    for event in output.final_chunks_json(response.complete, include_usage):
-                        yield _sse(event)
-                    break
+                    completes.append(response.complete)
+                    yield _sse(output.finish_chunk_json(response.complete))
+                    if timing.on_complete(response.complete):
+                        if include_usage:
+                            yield _sse(output.usage_chunk_json(completes))
+                        break
                 else:
                     status, message = _stream_error(response.error)
                     yield _sse(error_body(status, message, None, str(status)))
@@ -237,10 +240,20 @@ class OpenAIFrontend:
 
 
 class _Timing:
-    """TTFT and end-to-end latency of one HTTP generation, into the Prometheus histograms."""
+    """TTFT and end-to-end latency of one HTTP generation (of its ``n`` choices), into the
+    Prometheus histograms."""
 
-    def __init__(self, route: str, start: float) -> None:
+    def __init__(self, route: str, start: float, num_choices: int = 1) -> None:
         self.route, self.start, self.is_first = route, start, True
+        self.num_left, self.num_tokens = num_choices, 0
+
+    def on_complete(self, complete) -> bool:
+        """Counts one choice's end; True (and the histograms updated) at the last one."""
+        self.num_left -= 1
+        self.num_tokens += len(complete.output_token_ids)
+        if self.num_left == 0:
+            self.on_done(self.num_tokens)
+        return self.num_left == 0
 
     def on_chunk(self, chunk) -> None:
         if self.is_first and chunk.token_ids:
