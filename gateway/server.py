@@ -2,7 +2,9 @@
 
 Generate: validate + tokenize (``gateway.validation``) -> coordinator ``Generate`` stream ->
 one public chunk per engine step with the incremental text (``gateway.output``) -> exactly one
-``complete`` or ``error``. Invalid requests end with status INVALID_ARGUMENT naming the field.
+``complete`` or ``error`` (with ``n`` / ``best_of`` > 1: one coordinator request per sample and
+one ``complete`` per choice, ``gateway.choices``). Invalid requests end with status
+INVALID_ARGUMENT naming the field.
 A matched stop string, a client cancel, or a dropped stream aborts the request at the
 coordinator so its KV slots are freed.
 """
