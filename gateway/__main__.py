@@ -16,7 +16,8 @@ from minedraft import telemetry
 from minedraft.serving import ServerOptions, build_server, serve_until_signal
 
 from gateway.auth import ApiKeyInterceptor
-from gateway.config import DEFAULT_COORDINATOR, DEFAULT_HTTP_PORT, DEFAULT_MODEL_NAME, DEFAULT_PORT, GatewayConfig
+from gateway.config import (DEFAULT_COORDINATOR, DEFAULT_HTTP_PORT, DEFAULT_MAX_N, DEFAULT_MODEL_NAME, DEFAULT_PORT,
+                            GatewayConfig)
 from gateway.http_server import HttpServer
 from gateway.server import SERVICE_NAME, GatewayServicer, mirror_coordinator_health
 from gateway.tokenizer import PromptTokenizer
@@ -43,13 +44,15 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--api-key", default=os.environ.get("MINEDRAFT_API_KEY", ""),
                    help="HTTP /v1/* and the gRPC MineDraft API need 'Authorization: Bearer KEY' "
                         "(gRPC: metadata 'authorization'; default: $MINEDRAFT_API_KEY; empty = open)")
+    p.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
+                   help="most choices (n, and best_of) one request may ask for; each is its own request")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return GatewayConfig(tokenizer=a.tokenizer, coordinator=a.coordinator, model_name=a.model_name,
                          draft_name=a.draft_name, max_model_len=a.max_model_len,
                          max_default_tokens=a.max_default_tokens, host=a.host, port=a.port, grace_s=a.grace,
-                         http_port=a.http_port, api_key=a.api_key)
+                         http_port=a.http_port, api_key=a.api_key, max_n=a.max_n)
 
 
 async def serve(cfg: GatewayConfig) -> None:

@@ -8,6 +8,7 @@ DEFAULT_HTTP_PORT = 8000
 DEFAULT_COORDINATOR = "127.0.0.1:50052"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 MAX_PORT = 65535
+DEFAULT_MAX_N = 16
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class GatewayConfig:
         http_port: port of the OpenAI-compatible HTTP API on ``host`` (0 = no HTTP server).
         api_key: when set, HTTP ``/v1/*`` requests need ``Authorization: Bearer <api_key>``, and
             gRPC ``minedraft.v1.MineDraft`` calls the metadata ``authorization: Bearer <api_key>``.
+        max_n: most choices one request may ask for (``n``, and ``best_of``), each its own request
+            at the coordinator.
     """
 
     tokenizer: str
@@ -42,6 +45,7 @@ class GatewayConfig:
     grace_s: float = 5.0
     http_port: int = DEFAULT_HTTP_PORT
     api_key: str = ""
+    max_n: int = DEFAULT_MAX_N
 
     def __post_init__(self) -> None:
         if not self.tokenizer:
@@ -62,5 +66,7 @@ class GatewayConfig:
             raise ValueError(f"http_port: must be in [0, {MAX_PORT}] (0 = off), got {self.http_port}")
         if self.http_port and self.http_port == self.port:
             raise ValueError(f"http_port: must differ from port {self.port}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n: must be >= 1, got {self.max_n}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s: must be >= 0, got {self.grace_s}")

@@ -69,10 +69,13 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 def _invalid(exc: InvalidRequestError, body) -> JSONResponse:
+    """400 (404 for an unknown model) whose message and ``param`` name the field as the HTTP body
+    does (``max_tokens``, not the gRPC path ``sampling.max_tokens``)."""
     param = openai_param(exc.field, body)
-    if param == "model" and "unknown model" in str(exc):
-        return error_response(404, str(exc).replace("model: ", "", 1), param, "model_not_found")
-    return error_response(400, str(exc), param)
+    reason = str(exc).removeprefix(f"{exc.field}: ")
+    if param == "model" and "unknown model" in reason:
+        return error_response(404, reason, param, "model_not_found")
+    return error_response(400, f"{param}: {reason}", param)
 
 
 async def unless_disconnected(request: Request, work) -> Response:
@@ -112,10 +115,22 @@ def _body_error(error: dict) -> tuple[str, str | None]:
     if error.get("type") == "json_invalid":
         detail = (error.get("ctx") or {}).get("error", "")
         return f"body: invalid JSON{': ' + detail if detail else ''}", None
-    loc = [str(part) for part in error.get("loc", ())
-           if part != "body" and (isinstance(part, int) or str(part).isidentifier())]
+    path = _field_path(error.get("loc", ()))
     message = error.get("msg", "invalid").removeprefix("Value error, ")  # pydantic's prefix for a ValueError
-    return f"{'.'.join(loc) or 'body'}: {message}", loc[0] if loc else None
+    return f"{path or 'body'}: {message}", path or None
+
+
+def _field_path(loc) -> str:
+    """A pydantic error location as the body's field path, in the style the gateway's own checks
+    use: ``("body", "messages", 0, "content")`` -> ``messages[0].content`` (union branch tags
+    such as ``function-after[...]`` dropped)."""
+    path = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif str(part).isidentifier() and not (i == 0 and part == "body"):
+            path += f".{part}" if path else str(part)
+    return path
 
 
 def _reported_error(errors: list[dict]) -> dict:
@@ -168,7 +183,7 @@ class OpenAIFrontend:
             await stream.aclose()
             status, message = _stream_error(first.error)
             return error_response(status, message)
-        timing = _Timing(route, start)
+        timing = _Timing(route, start, prepared.n)
         if body.stream:
             return StreamingResponse(self._events(first, stream, output, include_usage, timing),
                                      media_type="text/event-stream")
@@ -176,22 +191,23 @@ class OpenAIFrontend:
 
     async def _collect(self, first, stream, output: OpenAIOutput, timing: "_Timing") -> JSONResponse:
         async with contextlib.aclosing(stream):
-            response = first
+            response, completes = first, []
             while True:
                 kind = response.WhichOneof("response")
                 if kind == "chunk":
                     timing.on_chunk(response.chunk)
                     output.add_chunk(response.chunk)
                 elif kind == "complete":
-                    timing.on_done(len(response.complete.output_token_ids))
-                    return JSONResponse(output.response_json(response.complete))
+                    completes.append(response.complete)
+                    if timing.on_complete(response.complete):
+                        return JSONResponse(output.response_json(completes))
                 else:
                     return error_response(*_stream_error(response.error))
                 response = await anext(stream)
 
     async def _events(self, first, stream, output: OpenAIOutput, include_usage: bool, timing: "_Timing"):
         async with contextlib.aclosing(stream):
-            response = first
+            response, completes = first, []
             while True:
                 kind = response.WhichOneof("response")
                 if kind == "chunk":
@@ -200,10 +216,12 @@ class OpenAIFrontend:
                     if event is not None:
                         yield _sse(event)
                 elif kind == "complete":
-                    timing.on_done(len(response.complete.output_token_ids))
-                    for event in output.final_chunks_json(response.complete, include_usage):
-                        yield _sse(event)
-                    break
+                    completes.append(response.complete)
+                    yield _sse(output.finish_chunk_json(response.complete))
+                    if timing.on_complete(response.complete):
+                        if include_usage:
+                            yield _sse(output.usage_chunk_json(completes))
+                        break
                 else:
                     status, message = _stream_error(response.error)
                     yield _sse(error_body(status, message, None, str(status)))
@@ -222,10 +240,20 @@ class OpenAIFrontend:
 
 
 class _Timing:
-    """TTFT and end-to-end latency of one HTTP generation, into the Prometheus histograms."""
+    """TTFT and end-to-end latency of one HTTP generation (of its ``n`` choices), into the
+    Prometheus histograms."""
 
-    def __init__(self, route: str, start: float) -> None:
+    def __init__(self, route: str, start: float, num_choices: int = 1) -> None:
         self.route, self.start, self.is_first = route, start, True
+        self.num_left, self.num_tokens = num_choices, 0
+
+    def on_complete(self, complete) -> bool:
+        """Counts one choice's end; True (and the histograms updated) at the last one."""
+        self.num_left -= 1
+        self.num_tokens += len(complete.output_token_ids)
+        if self.num_left == 0:
+            self.on_done(self.num_tokens)
+        return self.num_left == 0
 
     def on_chunk(self, chunk) -> None:
         if self.is_first and chunk.token_ids:

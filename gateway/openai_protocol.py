@@ -7,7 +7,11 @@ API, following vLLM's OpenAI server (https://docs.vllm.ai/en/latest/serving/open
 - ``temperature`` unset = 1.0 (sampling), as in OpenAI and vLLM; 0 = greedy.
 - ``max_tokens`` / ``max_completion_tokens`` unset = the free context, capped by the gateway's
   ``--max-default-tokens``.
-- ``top_k`` and ``min_p`` are extensions (vLLM names); ``n`` must be 1.
+- ``top_k`` and ``min_p`` are extensions (vLLM names).
+- ``n`` choices (1 to the gateway's ``--max-n``, 16), each its own request; with ``seed``, choice i
+  samples with ``seed + i``. Completions' ``best_of`` (>= n, not with ``stream``) generates best_of
+  and returns the n with the highest cumulative logprob. ``usage`` counts the prompt once and the
+  completion tokens of the returned choices.
 - ``prompt`` is a string, one token-id list, or a one-element list of either; batched prompts
   (several in one request) are refused with 400.
 - Unknown fields are refused (400 naming the field) rather than silently ignored, so a sampling
@@ -20,7 +24,7 @@ API, following vLLM's OpenAI server (https://docs.vllm.ai/en/latest/serving/open
 - JSON ``null`` in an optional field means "not given" (its default), as in vLLM: ``"n": null``
   is ``n`` 1, ``"stream": null`` is false.
 - Options this server does not implement are accepted at their no-op value and refused (400 naming
-  them) otherwise: ``response_format`` ``{"type": "text"}``, ``logit_bias`` ``{}``, ``best_of`` 1,
+  them) otherwise: ``response_format`` ``{"type": "text"}``, ``logit_bias`` ``{}``,
   ``tool_choice`` ``"none"`` (or ``"auto"`` without ``tools``; non-empty ``tools`` are refused).
   ``user``, ``parallel_tool_calls``, ``service_tier``, ``metadata`` and ``store`` are ignored.
 """
@@ -174,6 +178,8 @@ def _sampling(body: _SamplingFields, max_tokens: int | None, num_top: int) -> co
         max_tokens=max_tokens or 0, stop=stops, stop_token_ids=body.stop_token_ids or [],
         ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
         logprobs=num_top)
+    if body.n < 1:
+        raise InvalidRequestError("n", f"must be >= 1, got {body.n}")
     if body.top_p is not None and body.top_p <= 0:
         raise InvalidRequestError("top_p", f"must be in (0, 1], got {body.top_p}")
     _set_penalties(body, sampling)
@@ -209,17 +215,20 @@ def completion_to_generate(body: CompletionRequest, request_id: str) -> generate
     """The public GenerateRequest of a completions body.
 
     Raises:
-        InvalidRequestError: a field this server does not serve (batched prompt, echo, suffix,
-            best_of > 1); value ranges are checked later by ``gateway.validation``.
+        InvalidRequestError: a field this server does not serve (batched prompt, echo, suffix),
+            or ``best_of`` < 1 or with ``stream``; value ranges are checked later by
+            ``gateway.validation``.
     """
     if body.echo:
         raise InvalidRequestError("echo", "echo is not served")
     if body.suffix:
         raise InvalidRequestError("suffix", "suffix is not served")
-    if body.best_of is not None and body.best_of != 1:
-        raise InvalidRequestError("best_of", f"only best_of=1 is served, got {body.best_of}")
+    if body.best_of is not None and body.best_of < 1:
+        raise InvalidRequestError("best_of", f"must be >= 1, got {body.best_of}")
+    if body.best_of is not None and body.best_of > 1 and body.stream:
+        raise InvalidRequestError("best_of", "cannot be used with stream (the best choices are known only at the end)")
     request = generate_pb2.GenerateRequest(
-        request_id=request_id, model=body.model or "", n=body.n,
+        request_id=request_id, model=body.model or "", n=body.n, best_of=body.best_of or 0,
         sampling=_sampling(body, body.max_tokens, body.logprobs or 0))
     prompt = _one_prompt(body.prompt)
     if isinstance(prompt, str):

@@ -2,7 +2,9 @@
 
 Generate: validate + tokenize (``gateway.validation``) -> coordinator ``Generate`` stream ->
 one public chunk per engine step with the incremental text (``gateway.output``) -> exactly one
-``complete`` or ``error``. Invalid requests end with status INVALID_ARGUMENT naming the field.
+``complete`` or ``error`` (with ``n`` / ``best_of`` > 1: one coordinator request per sample and
+one ``complete`` per choice, ``gateway.choices``). Invalid requests end with status
+INVALID_ARGUMENT naming the field.
 A matched stop string, a client cancel, or a dropped stream aborts the request at the
 coordinator so its KV slots are freed.
 """
@@ -18,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from minedraft.serving import ServingHealth, aio_channel, mirror_health
 from minedraft.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, generate_pb2, generate_pb2_grpc
 
+from gateway.choices import coordinator_ids, stream_choices
 from gateway.config import GatewayConfig
 from gateway.output import RequestOutput
 from gateway.tokenizer import PromptTokenizer
@@ -30,7 +33,33 @@ logger = logging.getLogger(__name__)
 FINISH_ABORT = "abort"
 HEALTH_RETRY_S = 0.5
 ABORT_TIMEOUT_S = 5.0
+CANCEL_NOTICE_S = 0.5  # how long a re-sent id waits for the gateway to notice its holder's client cancel
+_POLL_S = 0.01
 SERVICE_NAME = "minedraft.v1.MineDraft"
+
+
+class _Run:
+    """One ``GatewayServicer.run`` holding a request id (the owner token in ``_in_flight``).
+
+    Attributes:
+        context: its gRPC call's context (None over HTTP).
+        coordinator_ids: its requests at the coordinator (one per sample with n / best_of > 1).
+        is_closing: set once it ends (final message sent, or a cancel being cleaned up): the
+            id is about to be free, so a re-send of the same id waits for ``released``.
+        released: set once it no longer holds the id.
+    """
+
+    def __init__(self, coordinator_ids: list[str], context=None) -> None:
+        self.context = context
+        self.coordinator_ids = coordinator_ids
+        self.is_closing = False
+        self.released = asyncio.Event()
+        self.num_complete = 0
+
+    def is_ending(self) -> bool:
+        """True once it is closing, or its client has cancelled the call (the handler may not
+        have seen the cancel yet)."""
+        return self.is_closing or (self.context is not None and self.context.cancelled())
 
 
 class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
@@ -41,7 +70,7 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
         self._tokenizer = tokenizer
         self._channel = aio_channel(cfg.coordinator)
         self._coordinator = coordinator_pb2_grpc.CoordinatorStub(self._channel)
-        self._in_flight: dict[str, object] = {}  # request id -> the token of the run() that owns it
+        self._in_flight: dict[str, _Run] = {}  # request id -> the run() that owns it
 
     @property
     def coordinator_channel(self) -> grpc.aio.Channel:
@@ -80,44 +109,82 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
             InvalidRequestError: a field is invalid, or the request id is already in flight.
         """
         prepared = prepare_request(request, self._tokenizer, self._cfg)
-        if prepared.request_id in self._in_flight:
-            raise InvalidRequestError("request_id", f"{prepared.request_id!r} is already in flight")
+        for request_id in {prepared.request_id, *coordinator_ids(prepared)}:
+            if request_id in self._in_flight:
+                raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         return prepared
 
-    async def run(self, prepared: PreparedRequest):
+    async def run(self, prepared: PreparedRequest, context=None):
         """Streams one prepared request: GenerateResponse chunks, then one ``complete`` or ``error``.
-        Closing the generator early aborts the request at the coordinator."""
-        request_id, owner = prepared.request_id, object()
-        self._in_flight[request_id] = owner
+        Closing the generator early aborts the request at the coordinator. ``context``: the gRPC
+        call's, so a re-send of the id right after a client cancel can wait for the id to be free."""
+        owner = _Run(coordinator_ids(prepared), context)
+        held = {prepared.request_id, *owner.coordinator_ids}
+        self._in_flight.update(dict.fromkeys(held, owner))
         try:
-            traced = traced_generate(request_id, len(prepared.prompt_token_ids), self._stream(prepared, owner))
-            async with contextlib.aclosing(traced) as stream:
+            async with contextlib.aclosing(self._choices(prepared, owner)) as stream:
                 async for response in stream:
+                    if response.WhichOneof("response") == "error" or self._is_last(response, prepared, owner):
+                        owner.is_closing = True
                     yield response
         finally:
-            self._release(request_id, owner)
+            for request_id in held:
+                self._release(request_id, owner)
 
-    def _owns(self, request_id: str, owner: object) -> bool:
+    def _choices(self, prepared: PreparedRequest, owner: _Run):
+        """The stream of one request (``n`` / ``best_of`` > 1: of its samples, ``gateway.choices``)."""
+        def open_child(child: PreparedRequest):
+            return traced_generate(child.request_id, len(child.prompt_token_ids), self._stream(child, owner))
+
+        return open_child(prepared) if prepared.best_of == 1 else stream_choices(prepared, open_child)
+
+    @staticmethod
+    def _is_last(response, prepared: PreparedRequest, owner: _Run) -> bool:
+        """Whether ``response`` is the request's last ``complete`` (the n-th with n > 1)."""
+        if response.WhichOneof("response") != "complete":
+            return False
+        owner.num_complete += 1
+        return owner.num_complete == prepared.n
+
+    async def wait_if_ending(self, request_id: str) -> None:
+        """Before a gRPC request takes ``request_id``: if a run holds it, waits up to
+        ``CANCEL_NOTICE_S`` for that run to be ending (a client cancel arrives just before the
+        re-send, but its handler may be told after the new call starts), then up to
+        ``ABORT_TIMEOUT_S`` for it to free the id. A live duplicate is then refused by ``prepare``."""
+        owner = self._in_flight.get(request_id)
+        if owner is None:
+            return
+        deadline = asyncio.get_running_loop().time() + CANCEL_NOTICE_S
+        while not owner.is_ending() and not owner.released.is_set():
+            if asyncio.get_running_loop().time() >= deadline:
+                return
+            await asyncio.sleep(_POLL_S)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(owner.released.wait(), ABORT_TIMEOUT_S)
+
+    def _owns(self, request_id: str, owner: _Run) -> bool:
         """Whether ``owner``'s run still holds ``request_id`` (an Abort may have freed it already,
         and a new request may hold it now)."""
         return self._in_flight.get(request_id) is owner
 
-    def _release(self, request_id: str, owner: object) -> None:
+    def _release(self, request_id: str, owner: _Run) -> None:
         """Free ``request_id`` for reuse, if ``owner`` still holds it."""
         if self._owns(request_id, owner):
             del self._in_flight[request_id]
+        owner.released.set()
 
     async def Generate(self, request, context):
         await _refuse_malformed(request, context)
+        await self.wait_if_ending(request.request_id)
         try:
             prepared = self.prepare(request)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        async with contextlib.aclosing(self.run(prepared)) as stream:
+        async with contextlib.aclosing(self.run(prepared, context)) as stream:
             async for response in stream:
                 yield response
 
-    async def _stream(self, prepared, owner: object):
+    async def _stream(self, prepared, owner: _Run):
         request_id = prepared.request_id
         output = RequestOutput(self._tokenizer.hf_tokenizer, prepared.prompt_token_ids,
                                prepared.stops, prepared.include_stop_str_in_output)
@@ -159,6 +226,7 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
             yield _error(request_id, exc.code(), f"coordinator: {exc.details()}")
         finally:
             if not is_done:  # client cancelled or the stream broke: free the slots
+                owner.is_closing = True
                 call.cancel()
                 if self._owns(request_id, owner):  # not already aborted (Abort frees the id)
                     await asyncio.shield(self._abort_at_coordinator(request_id))
@@ -177,9 +245,10 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
         owner = self._in_flight.get(request.request_id)
         if owner is None:
             return common_pb2.AbortResponse(found=False)
-        found = await self._abort_at_coordinator(request.request_id)
+        found = any(await asyncio.gather(*(self._abort_at_coordinator(i) for i in owner.coordinator_ids)))
         if found:  # the coordinator has finished it: its id is free for a new request at once
-            self._release(request.request_id, owner)
+            for request_id in [i for i, run in self._in_flight.items() if run is owner]:
+                self._release(request_id, owner)
         return common_pb2.AbortResponse(found=found)
 
     async def ListModels(self, request, context):

@@ -1,6 +1,8 @@
 """Prompt tokenization for the gateway (transformers tokenizer; no torch)."""
 from __future__ import annotations
 
+import re
+import uuid
 from typing import Sequence
 
 from transformers import AutoTokenizer
@@ -34,6 +36,8 @@ class PromptTokenizer:
         self.vocab_size: int = len(self._tokenizer)
         self.max_token_bytes: int = _max_token_bytes(self._tokenizer)
         self.has_chat_template: bool = bool(getattr(self._tokenizer, "chat_template", None))
+        self._special_ids = {t.content: i for i, t in self._tokenizer.added_tokens_decoder.items() if t.special}
+        self._special_re = _alternation(self._special_ids)
 
     @property
     def hf_tokenizer(self):
@@ -47,20 +51,60 @@ class PromptTokenizer:
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Renders ``messages`` with the chat template (``add_generation_prompt=True``) and
-        tokenizes the result; the template's own special tokens are parsed as special tokens.
+        tokenizes the result. Only the template's own markup yields special tokens: message content
+        is tokenized as text, like ``encode_text`` (``<|im_end|>`` in a user message is text, so a
+        user cannot close their turn and inject a system turn; issue 25.5).
+
+        How: every special-token text in the content is swapped for a one-off placeholder before
+        rendering, so the rendered string holds special-token text only where the template put it.
+        It is then cut at those special tokens (as the tokenizer itself does) and each run between
+        them, placeholders restored, is tokenized as text. Content without special-token text
+        takes the tokenizer's own path (``encode(rendered)``), which gives the same ids.
 
         Raises:
             ValueError: the tokenizer has no chat template.
         """
         if not self.has_chat_template:
             raise ValueError("the served model's tokenizer has no chat template")
-        rendered = self._tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False)
-        return list(self._tokenizer.encode(rendered, add_special_tokens=False))
+        hidden: list[str] = []
+        marker = f"MDSPECIAL{uuid.uuid4().hex}N"
+        safe = [{**m, "content": self._hide_specials(m["content"], marker, hidden)} for m in messages]
+        rendered = self._tokenizer.apply_chat_template(safe, add_generation_prompt=True, tokenize=False)
+        if not hidden:
+            return list(self._tokenizer.encode(rendered, add_special_tokens=False))
+        restore = re.compile(re.escape(marker) + r"(\d+)X")
+        ids: list[int] = []
+        for i, piece in enumerate(self._special_re.split(rendered)):
+            if i % 2:  # a special token of the template's markup
+                ids.append(self._special_ids[piece])
+            elif piece:
+                ids += self.encode_text_run(restore.sub(lambda m: hidden[int(m.group(1))], piece))
+        return ids
+
+    def _hide_specials(self, content: str, marker: str, hidden: list[str]) -> str:
+        """``content`` with each special-token text replaced by ``marker<i>X`` (appended to ``hidden``)."""
+        if self._special_re is None:
+            return content
+
+        def hide(match: re.Match) -> str:
+            hidden.append(match.group())
+            return f"{marker}{len(hidden) - 1}X"
+
+        return self._special_re.sub(hide, content)
+
+    def encode_text_run(self, text: str) -> list[int]:
+        """Tokenizes ``text`` as text (special-token text too), without BOS/EOS."""
+        return list(self._tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Decodes token ids to text."""
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+def _alternation(texts) -> re.Pattern | None:
+    """A regex matching any of ``texts`` (longest first, captured), or None when there are none."""
+    ordered = sorted(texts, key=len, reverse=True)
+    return re.compile("(" + "|".join(re.escape(t) for t in ordered) + ")") if ordered else None
 
 
 def _max_token_bytes(tokenizer) -> int:

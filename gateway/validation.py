@@ -9,7 +9,8 @@ Defaults and proto3 conventions (a scalar left unset reads 0 on the wire):
 - ``sampling.max_tokens`` 0 (unset) = ``min(max_model_len - prompt_len, max_default_tokens)``,
   like vLLM's OpenAI server, which fills the remaining context, capped by the gateway's
   ``--max-default-tokens`` so an unbounded request cannot hold a slot for the whole context.
-- ``n`` 0 (unset) = 1; n > 1 is refused (one sample per request is served).
+- ``n`` 0 (unset) = 1, at most ``cfg.max_n``; ``best_of`` 0 (unset) = n, else in [n, max_n]. Each of
+  the best_of samples is its own request at the coordinator (``gateway.choices``).
 - a field the schema does not know, or a known field sent with the wrong wire type (protobuf keeps
   both as unknown fields and would run the request on defaults), is refused, naming the message it
   came in; so are a ``request_id`` over ``MAX_REQUEST_ID_CHARS`` and a stop string over
@@ -32,7 +33,6 @@ from gateway.tokenizer import PromptTokenizer
 UNSET = 0
 TOP_K_OFF = -1
 TOP_P_OFF = 1.0
-NUM_SAMPLES_SERVED = 1
 MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = ("system", "user", "assistant")
 PROMPT_BYTES_SLACK = 2  # a tokenizer's normalizer (e.g. NFC) may shrink text before it is split
@@ -58,6 +58,8 @@ class PreparedRequest:
         sampling: normalized SamplingParams for the coordinator (stop strings removed).
         stops: the stop strings, handled in the gateway.
         include_stop_str_in_output: keep a matched stop string in the text.
+        n: choices to return.
+        best_of: samples to generate (>= n); the n with the highest cumulative logprob are returned.
     """
 
     request_id: str
@@ -65,6 +67,8 @@ class PreparedRequest:
     sampling: common_pb2.SamplingParams
     stops: tuple[str, ...]
     include_stop_str_in_output: bool
+    n: int = 1
+    best_of: int = 1
 
 
 def _check_range(field: str, value: float, is_ok: bool, expected: str) -> None:
@@ -203,10 +207,18 @@ def _check_request_fields(request: generate_pb2.GenerateRequest, cfg: GatewayCon
                                                 f"{len(request.request_id)}")
     if request.model and request.model != cfg.model_name:
         raise InvalidRequestError("model", f"unknown model {request.model!r}; served: {cfg.model_name!r}")
-    if request.n < 0:
-        raise InvalidRequestError("n", f"must be >= 1, got {request.n}")
-    if request.n > NUM_SAMPLES_SERVED:
-        raise InvalidRequestError("n", f"only n=1 is served, got {request.n}; send n separate requests")
+    _num_choices(request, cfg.max_n)
+
+
+def _num_choices(request: generate_pb2.GenerateRequest, max_n: int) -> tuple[int, int]:
+    """(n, best_of) of ``request`` (0 = unset: n 1, best_of n), both in [1, max_n], best_of >= n."""
+    n = request.n or 1
+    if not 1 <= n <= max_n:
+        raise InvalidRequestError("n", f"must be in [1, {max_n}], got {request.n}")
+    best_of = request.best_of or n
+    if not n <= best_of <= max_n:
+        raise InvalidRequestError("best_of", f"must be in [n, {max_n}] (n = {n}), got {request.best_of}")
+    return n, best_of
 
 
 def prepare_request(request: generate_pb2.GenerateRequest, tokenizer: PromptTokenizer,
@@ -237,4 +249,6 @@ def prepare_request(request: generate_pb2.GenerateRequest, tokenizer: PromptToke
         sampling=sampling,
         stops=tuple(s.stop),
         include_stop_str_in_output=s.include_stop_str_in_output,
+        n=request.n or 1,
+        best_of=request.best_of or request.n or 1,
     )

@@ -70,15 +70,16 @@ class GenerationResult:
 
 def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str]] | None = None,
                   prompt_token_ids: Sequence[int] | None = None, request_id: str = "", model: str = "",
-                  **sampling) -> generate_pb2.GenerateRequest:
-    """Builds a GenerateRequest from exactly one of prompt / messages / prompt_token_ids.
+                  n: int = 0, best_of: int = 0, **sampling) -> generate_pb2.GenerateRequest:
+    """Builds a GenerateRequest from exactly one of prompt / messages / prompt_token_ids;
+    ``n`` / ``best_of`` choices (0 = 1 / n), the other keywords are SamplingParams fields.
 
     Raises:
         ValueError: not exactly one input given.
     """
     if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
         raise ValueError("prompt: give exactly one of prompt, messages, prompt_token_ids")
-    request = generate_pb2.GenerateRequest(request_id=request_id, model=model,
+    request = generate_pb2.GenerateRequest(request_id=request_id, model=model, n=n, best_of=best_of,
                                            sampling=common_pb2.SamplingParams(**sampling))
     if prompt is not None:
         request.prompt = prompt
@@ -168,6 +169,16 @@ class MineDraftClient:
         for response in self.stream(build_request(prompt, **kwargs)):
             collector.add(response)
         return collector.result
+
+    def generate_choices(self, prompt: str | None = None, **kwargs) -> list[GenerationResult]:
+        """Runs one generation with ``n`` (and ``best_of``) choices to completion; one result per
+        choice, by index (see ``build_request`` for the arguments)."""
+        collectors: dict[int, _Collector] = {}
+        for response in self.stream(build_request(prompt, **kwargs)):
+            kind = response.WhichOneof("response")
+            index = getattr(response, kind).index if kind in ("chunk", "complete") else 0
+            collectors.setdefault(index, _Collector()).add(response)
+        return [collectors[i].result for i in sorted(collectors)]
 
     def abort(self, request_id: str) -> bool:
         """Aborts a running request; True when the coordinator knew it."""

@@ -6,6 +6,7 @@ chunks per request, records aborts, and lets the test flip its health.
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import subprocess
 import threading
@@ -23,20 +24,28 @@ STARTUP_TIMEOUT_S = 120.0
 
 
 class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
-    """Replays ``script`` (list of token-id lists, one per step) for every request."""
+    """Replays ``script`` (list of token-id lists, one per step) for every request.
+
+    With ``is_seeded_sampling`` a sampled request (temperature > 0) gets tokens and logprobs that
+    depend on its seed (``seeded_step``), as a sampler would; ``error_ids`` get ``error`` at once.
+    """
 
     def __init__(self) -> None:
         self.script: list[list[int]] = []
         self.step_delay_s = 0.0
+        self.abort_delay_s = 0.0  # an Abort answers after this long (an abort still landing)
         self.requests: list[coordinator_pb2.CoordinatorGenerateRequest] = []
         self.aborted: list[str] = []
         self.num_output_tokens: dict[str, int] = {}  # AbortRequest.num_output_tokens by request id
         self.error: common_pb2.GenerateError | None = None
+        self.error_ids: set[str] = set()
+        self.is_seeded_sampling = False
 
     async def Generate(self, request, context):
         self.requests.append(request)
-        if self.error is not None:
-            yield coordinator_pb2.CoordinatorGenerateResponse(error=self.error)
+        if self.error is not None or request.request_id in self.error_ids:
+            error = self.error or common_pb2.GenerateError(code=grpc.StatusCode.INTERNAL.value[0], message="child failed")
+            yield coordinator_pb2.CoordinatorGenerateResponse(error=error)
             return
         num_emitted = 0
         for step, ids in enumerate(self.script):
@@ -45,8 +54,9 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
                 return
             await asyncio.sleep(self.step_delay_s)
             drafted = 0 if step == 0 else 3
+            ids, logprob = seeded_step(request.sampling, step, ids) if self.is_seeded_sampling else (ids, -0.5)
             yield coordinator_pb2.CoordinatorGenerateResponse(chunk=coordinator_pb2.TokenChunk(
-                token_ids=ids, logprobs=[-0.5] * len(ids), num_draft_tokens=drafted,
+                token_ids=ids, logprobs=[logprob] * len(ids), num_draft_tokens=drafted,
                 num_accepted_tokens=len(ids) - 1 if drafted else 0))
             num_emitted += len(ids)
         usage = common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=num_emitted,
@@ -56,6 +66,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
             finished=coordinator_pb2.Finished(finish_reason="length", usage=usage))
 
     async def Abort(self, request, context):
+        await asyncio.sleep(self.abort_delay_s)
         self.aborted.append(request.request_id)
         if request.HasField("num_output_tokens"):
             self.num_output_tokens[request.request_id] = request.num_output_tokens
@@ -63,6 +74,15 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def GetStatus(self, request, context):
         return coordinator_pb2.StatusResponse(mode="psd")
+
+
+def seeded_step(sampling: common_pb2.SamplingParams, step: int, ids: list[int]) -> tuple[list[int], float]:
+    """(token ids, logprob of each) of one step of a sampled request: a function of its seed (random
+    without one), e.g. seed 7 -> logprob -0.3; greedy requests keep ``ids`` and -0.5."""
+    if sampling.temperature == 0:
+        return ids, -0.5
+    seed = sampling.seed if sampling.HasField("seed") else random.randrange(2**31)
+    return [(t + 97 * seed + step) % 20000 + 1000 for t in ids], -0.1 * (1 + seed % 5)
 
 
 class FakeCoordinatorThread:

@@ -92,13 +92,12 @@ def test_invalid_field_is_refused_naming_it(client, stack, kwargs, field):
     assert info.value.details().startswith(f"{field}:"), info.value.details()
 
 
-def test_n_greater_than_one_is_refused(client):
-    request = build_request("hi")
-    request.n = 2
+@pytest.mark.parametrize("n,best_of,field", [(17, 0, "n"), (-1, 0, "n"), (2, 1, "best_of"), (1, 17, "best_of")])
+def test_n_and_best_of_out_of_range_are_refused(client, n, best_of, field):
     with pytest.raises(grpc.RpcError) as info:
-        list(client.stream(request))
+        list(client.stream(build_request("hi", n=n, best_of=best_of)))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert info.value.details().startswith("n:")
+    assert info.value.details().startswith(f"{field}:")
 
 
 def test_stream_usage_and_defaults(client, stack, tokenizer):

@@ -41,9 +41,9 @@ BOOLS = [  # (route, body, OpenAI param): each was served with true read as 1 (f
       for field in ("max_tokens", "n", "seed", "top_k", "logprobs", "temperature", "top_p", "min_p",
                     "presence_penalty", "frequency_penalty")],
     ("completions", {"prompt": "hi", "top_p": False}, "top_p"),
-    ("completions", {"prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids"),
-    ("completions", {"prompt": [True, False]}, "prompt"),
-    ("completions", {"prompt": [[True]]}, "prompt"),
+    ("completions", {"prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids[0]"),
+    ("completions", {"prompt": [True, False]}, "prompt[0]"),
+    ("completions", {"prompt": [[True]]}, "prompt[0][0]"),
     *[("chat/completions", {"messages": CHAT, "logprobs": True, field: True}, field)
       for field in ("max_completion_tokens", "max_tokens", "top_logprobs", "temperature", "seed", "n")],
 ]

@@ -144,7 +144,7 @@ def test_errors_in_openai_shape(psd):
         client.chat.completions.create(model=None, messages=MESSAGES, temperature=-1)
     assert info.value.status_code == 400 and info.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=None, prompt=PROMPT, n=2)
+        client.completions.create(model=None, prompt=PROMPT, n=17)
     assert info.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=None, prompt=[PROMPT, PROMPT])

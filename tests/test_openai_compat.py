@@ -4,7 +4,7 @@ the fake coordinator of tests/gateway_harness.py.
 
 Checked: JSON ``null`` in an optional field is served as if the field were not given (the coordinator
 gets the same request); unserved options at their no-op value (``response_format`` text,
-``logit_bias`` ``{}``, ``best_of`` 1, ``tool_choice`` "none" / "auto" without tools) and ignored ones
+``logit_bias`` ``{}``, ``tool_choice`` "none" / "auto" without tools) and ignored ones
 (``user``, ``parallel_tool_calls``, ``service_tier``, ``metadata``, ``store``) are served; any other
 value of an unserved option is 400 naming it, and ``null`` does not make an unknown or required field
 pass.
@@ -79,8 +79,8 @@ REFUSED = [  # (route, body, OpenAI param, message part): an option whose effect
      "response_format", "structured output"),
     ("completions", {**COMPLETION, "logit_bias": {"50": -100}}, "logit_bias", "not served"),
     ("chat/completions", {**CHAT, "logit_bias": {"50": 5}}, "logit_bias", "not served"),
-    ("completions", {**COMPLETION, "best_of": 2}, "best_of", "only best_of=1"),
-    ("completions", {**COMPLETION, "best_of": 0}, "best_of", "only best_of=1"),
+    ("completions", {**COMPLETION, "best_of": 2, "stream": True}, "best_of", "cannot be used with stream"),
+    ("completions", {**COMPLETION, "best_of": 0}, "best_of", "must be >= 1"),
     ("chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice", "not served"),
     ("chat/completions", {**CHAT, "tool_choice": "auto", "tools": [TOOL]}, "tool_choice", "not served"),
     ("chat/completions", {**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from minedraft.v1 import common_pb2 as minedraft_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bminedraft/v1/generate.proto\x12\x0cminedraft.v1\x1a\x19minedraft/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.minedraft.v1.ChatMessage\"\xee\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.minedraft.v1.ChatMessagesH\x00\x12\x32\n\x10prompt_token_ids\x18\x05 \x01(\x0b\x32\x16.minedraft.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.minedraft.v1.SamplingParams\x12\t\n\x01n\x18\x07 \x01(\x05\x42\x07\n\x05input\"s\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12/\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x19.minedraft.v1.TopLogprobs\"u\n\x10GenerateComplete\x12\x18\n\x10output_token_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.minedraft.v1.Usage\"\xc2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1b.minedraft.v1.GenerateChunkH\x00\x12\x32\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1e.minedraft.v1.GenerateCompleteH\x00\x12,\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1b.minedraft.v1.GenerateErrorH\x00\x42\n\n\x08response\"\x13\n\x11ListModelsRequest\"=\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.minedraft.v1.ModelCard2\xeb\x01\n\tMineDraft\x12K\n\x08Generate\x12\x1d.minedraft.v1.GenerateRequest\x1a\x1e.minedraft.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.minedraft.v1.AbortRequest\x1a\x1b.minedraft.v1.AbortResponse\x12O\n\nListModels\x12\x1f.minedraft.v1.ListModelsRequest\x1a .minedraft.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bminedraft/v1/generate.proto\x12\x0cminedraft.v1\x1a\x19minedraft/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.minedraft.v1.ChatMessage\"\xff\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.minedraft.v1.ChatMessagesH\x00\x12\x32\n\x10prompt_token_ids\x18\x05 \x01(\x0b\x32\x16.minedraft.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.minedraft.v1.SamplingParams\x12\t\n\x01n\x18\x07 \x01(\x05\x12\x0f\n\x07\x62\x65st_of\x18\x08 \x01(\x05\x42\x07\n\x05input\"\x82\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12/\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x19.minedraft.v1.TopLogprobs\x12\r\n\x05index\x18\x05 \x01(\x05\"\x84\x01\n\x10GenerateComplete\x12\x18\n\x10output_token_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.minedraft.v1.Usage\x12\r\n\x05index\x18\x05 \x01(\x05\"\xc2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1b.minedraft.v1.GenerateChunkH\x00\x12\x32\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1e.minedraft.v1.GenerateCompleteH\x00\x12,\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1b.minedraft.v1.GenerateErrorH\x00\x42\n\n\x08response\"\x13\n\x11ListModelsRequest\"=\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.minedraft.v1.ModelCard2\xeb\x01\n\tMineDraft\x12K\n\x08Generate\x12\x1d.minedraft.v1.GenerateRequest\x1a\x1e.minedraft.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.minedraft.v1.AbortRequest\x1a\x1b.minedraft.v1.AbortResponse\x12O\n\nListModels\x12\x1f.minedraft.v1.ListModelsRequest\x1a .minedraft.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,19 +37,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=118
   _globals['_CHATMESSAGES']._serialized_end=177
   _globals['_GENERATEREQUEST']._serialized_start=180
-  _globals['_GENERATEREQUEST']._serialized_end=418
-  _globals['_GENERATECHUNK']._serialized_start=420
-  _globals['_GENERATECHUNK']._serialized_end=535
-  _globals['_GENERATECOMPLETE']._serialized_start=537
-  _globals['_GENERATECOMPLETE']._serialized_end=654
-  _globals['_GENERATERESPONSE']._serialized_start=657
-  _globals['_GENERATERESPONSE']._serialized_end=851
-  _globals['_LISTMODELSREQUEST']._serialized_start=853
-  _globals['_LISTMODELSREQUEST']._serialized_end=872
-  _globals['_MODELCARD']._serialized_start=874
-  _globals['_MODELCARD']._serialized_end=935
-  _globals['_LISTMODELSRESPONSE']._serialized_start=937
-  _globals['_LISTMODELSRESPONSE']._serialized_end=998
-  _globals['_MINEDRAFT']._serialized_start=1001
-  _globals['_MINEDRAFT']._serialized_end=1236
+  _globals['_GENERATEREQUEST']._serialized_end=435
+  _globals['_GENERATECHUNK']._serialized_start=438
+  _globals['_GENERATECHUNK']._serialized_end=568
+  _globals['_GENERATECOMPLETE']._serialized_start=571
+  _globals['_GENERATECOMPLETE']._serialized_end=703
+  _globals['_GENERATERESPONSE']._serialized_start=706
+  _globals['_GENERATERESPONSE']._serialized_end=900
+  _globals['_LISTMODELSREQUEST']._serialized_start=902
+  _globals['_LISTMODELSREQUEST']._serialized_end=921
+  _globals['_MODELCARD']._serialized_start=923
+  _globals['_MODELCARD']._serialized_end=984
+  _globals['_LISTMODELSRESPONSE']._serialized_start=986
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1047
+  _globals['_MINEDRAFT']._serialized_start=1050
+  _globals['_MINEDRAFT']._serialized_end=1285
 # @@protoc_insertion_point(module_scope)

@@ -59,6 +59,8 @@ class MineDraftServicer:
 
     def Generate(self, request, context):
         """Server streaming: chunks of committed tokens, then exactly one `complete` or `error`.
+        With n > 1: n choices (GenerateChunk.index, GenerateComplete.index in [0, n)), each its chunks
+        then its `complete`, interleaved; the stream ends after the n-th `complete`, or at one `error`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
