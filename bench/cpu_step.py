@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from specdec.config import CacheConfig, ModelConfig
-from specdec.runner import ModelRunner
+from specdec.engine.runner import ModelRunner
 
 CONTENDED_RATIO = 1.1  # wall > 1.1 x thread CPU time: the step lost its core to other processes
 MAX_PROFILE_ATTEMPTS = 4  # re-profile a contended step (profiler self times are wall based)

@@ -1,6 +1,6 @@
-"""Greedy identity of sd / psd against ar in one dtype (in process, ``specdec.generate``'s loop).
+"""Greedy identity of sd / psd against ar in one dtype (in process, ``reference.loop``'s loop).
 
-Runs ``specdec.generate``'s ``ReferenceLoop`` for ``ar``, ``sd`` and ``psd`` on the same
+Runs ``reference.loop``'s ``ReferenceLoop`` for ``ar``, ``sd`` and ``psd`` on the same
 Spec-Bench prompts at temperature 0 and counts, against ``ar``, the requests whose output token
 ids differ and the output tokens after each request's first divergence. Speculative decoding
 is lossless in exact arithmetic; in bfloat16 the verify step (k + 1 tokens per row) and the
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from specdec import generate as gen
-from specdec import generate_cli as gen_cli
+from reference import loop as gen
+from reference import cli as gen_cli
 
 MODES = ("ar", "sd", "psd")
 

@@ -4,7 +4,7 @@ Issue 8: in the benchmark stack, the 8 or 16 resident requests have ragged conte
 prompts of ~50 to ~1300 tokens) and, after some requests finished, slots that are not
 consecutive in batch order. The batched layout then gathers every row's cache prefix padded to
 the longest row (``index_select`` copies of ``[b, KVH, kv_len, d]`` per layer for K and V); the
-row-wise layout (``specdec.slot_attention``, the CPU default) attends each row over a view of its
+row-wise layout (``specdec.kv.slot_attention``, the CPU default) attends each row over a view of its
 own prefix. Both layouts run in one process on the same cache, interleaved step by step, with
 ``torch.set_num_threads(1)``; the thread CPU ms (work done by this thread) is reported, as the
 host is shared. Also checks that both layouts pick the same argmax tokens.
@@ -25,7 +25,7 @@ import torch
 
 from bench.cpu_step import write_results
 from specdec.config import CacheConfig, ModelConfig
-from specdec.runner import ModelRunner
+from specdec.engine.runner import ModelRunner
 
 CONTEXTS = (80, 150, 300, 500, 700, 900, 1100, 1300)   # tokens per resident row (two of each for 16)
 MAX_MODEL_LEN = 2048

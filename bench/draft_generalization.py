@@ -2,7 +2,7 @@
 
 Teacher-forced greedy top-1 agreement between draft and target (``beta`` of
 ``bench/draft_acceptance.py`` at T=0) over the target's greedy answers to two prompt sets of equal
-size: prompts the distillation trained on (``specdec.distill_data.load_prompts``, shuffled with
+size: prompts the distillation trained on (``distill.data.load_prompts``, shuffled with
 ``--seed``) and unseen Spec-Bench multi-turn prompts (MT-Bench's first turns, excluded from
 training). A large gap means the draft learned its training prompts rather than the target.
 Several ``--draft`` dirs are scored on the same trajectories. Prints and writes JSON.
@@ -25,9 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.draft_acceptance import MULTI_TURN, RESULTS_DIR, load_prompts, pair_betas, trajectories  # noqa: E402
 from specdec.config import ModelConfig  # noqa: E402
-from specdec.distill_data import DEFAULT_DATA_DIR, EVAL_FILE, encode_prompts  # noqa: E402
-from specdec.distill_data import load_prompts as training_prompts  # noqa: E402
-from specdec.draft_format import load_draft, read_meta, resolve_target_dir  # noqa: E402
+from distill.config import DEFAULT_DATA_DIR  # noqa: E402
+from distill.data import EVAL_FILE, encode_prompts  # noqa: E402
+from distill.data import load_prompts as training_prompts  # noqa: E402
+from specdec.models.draft_format import load_draft, read_meta, resolve_target_dir  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

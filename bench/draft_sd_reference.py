@@ -10,7 +10,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from specdec.draft_format import draft_vocab_ids
+from specdec.models.draft_format import draft_vocab_ids
 
 
 @torch.no_grad()

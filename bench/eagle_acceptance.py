@@ -1,4 +1,4 @@
-"""Spec-Bench acceptance of an EAGLE-style draft head (``specdec.eagle``), issue 4.
+"""Spec-Bench acceptance of an EAGLE-style draft head (``distill.eagle``), issue 4.
 
 Same prompts, trajectories and reporting as ``bench/draft_acceptance.py`` (16 prompts per
 category, first turn, target-generated trajectories of ``--max-new-tokens``), but the draft is
@@ -29,9 +29,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench.draft_acceptance import MAX_K, RESULTS_DIR, SPEC_BENCH, load_prompts, trajectories
-from specdec.distill_data import pad_batch
-from specdec.eagle import target_features, unrolled_logits
-from specdec.eagle_train import load_head
+from distill.data import pad_batch
+from distill.eagle import target_features, unrolled_logits
+from distill.eagle_train import load_head
 
 
 @torch.no_grad()
@@ -113,7 +113,7 @@ def write_markdown(res: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--head", required=True, help="dir written by specdec.eagle_train")
+    ap.add_argument("--head", required=True, help="dir written by distill.eagle_train")
     ap.add_argument("--target-dir", required=True, help="HF dir of the target")
     ap.add_argument("--spec-bench", default=SPEC_BENCH)
     ap.add_argument("--num-per-category", type=int, default=16)

@@ -5,7 +5,7 @@ For the SAME prompts (the first ``--num-prompts`` Spec-Bench prompts through the
 chat template, passed to both engines as token ids), float32, on one core pinned with
 ``os.sched_setaffinity`` (``--core``, default the last usable one) and one thread, it measures:
 
-- ours, in process: ``specdec.worker.TargetWorker`` over ``specdec.runner.ModelRunner``
+- ours, in process: ``specdec.engine.worker.TargetWorker`` over ``specdec.engine.runner.ModelRunner``
   (``max_num_seqs = N``, ``max_model_len = 2048``). Prefill: wall s to admit all N prompts with
   one ``add_requests`` per prompt (as the verifier does on CPU), after one untimed short prompt.
   Decode: wall ms of each of ``--num-steps`` ``verify(ids, [[]] * N, None)`` calls (one greedy
@@ -81,9 +81,9 @@ def prompt_ids(model_dir: str, data: str, num_prompts: int) -> list[list[int]]:
 def measure_ours(model_dir: str, ids: list[list[int]], num_steps: int) -> dict:
     """Prefill s of all prompts (one add_requests each) and ms of ``num_steps`` N-row decode steps."""
     from specdec.config import CacheConfig, ModelConfig
-    from specdec.runner import ModelRunner
-    from specdec.sampling import SamplingParams
-    from specdec.worker import TargetWorker
+    from specdec.engine.runner import ModelRunner
+    from specdec.sample.sampling import SamplingParams
+    from specdec.engine.worker import TargetWorker
 
     runner = ModelRunner(ModelConfig(model=model_dir, dtype=DTYPE, device="cpu", num_threads=1),
                          CacheConfig(max_num_seqs=len(ids), max_model_len=MAX_MODEL_LEN))

@@ -1,6 +1,6 @@
 """``python -m bench.export_hf``: the target and our draft as plain Hugging Face dirs for vLLM.
 
-The export itself is ``specdec.hf_export`` (also used by the vLLM drafter); this is its CLI.
+The export itself is ``specdec.models.hf_export`` (also used by the vLLM drafter); this is its CLI.
 
 Usage::
 
@@ -15,7 +15,7 @@ import argparse
 import json
 import os
 
-from specdec.hf_export import EXPORT_META_FILE, export_draft, export_target  # noqa: F401  (re-exported)
+from specdec.models.hf_export import EXPORT_META_FILE, export_draft, export_target  # noqa: F401  (re-exported)
 
 
 def export_all(target: str, draft: str, out_dir: str) -> dict:

@@ -5,9 +5,9 @@ Two processes: this one is verifier rank 0 (``--verifier-device``, e.g. cuda:0);
 drafter process (``--drafter-device``, e.g. cuda:1). For each (vocab V, dtype, batch b, k, plane)
 the drafter samples q = softmax(randn [b, k, V]) in ``dtype`` on its device, then per iteration
   - nccl  : ``DraftProbsServer.publish`` (buffers) + verifier ``DraftProbsClient.fetch`` (store
-            request, gloo header + ids, NCCL recv GPU->GPU), ``specdec.dataplane``;
+            request, gloo header + ids, NCCL recv GPU->GPU), ``specdec.dataplane.dist``;
   - ipc   : ``IpcProbsServer.publish`` (copy into the shared slot + stream sync) + verifier
-            ``IpcProbsClient.fetch`` (peer copy + seqlock check), ``specdec.dataplane_ipc``;
+            ``IpcProbsClient.fetch`` (peer copy + seqlock check), ``specdec.dataplane.ipc``;
   - inline: drafter ``tensor_to_proto`` (D2H) + ``SerializeToString``; verifier ``ParseFromString``
             + ``proto_to_tensor`` + H2D. The two gRPC hops through the coordinator are NOT timed
             (the bytes cross via a /dev/shm file outside the timer): a LOWER BOUND for inline.
@@ -38,10 +38,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.gpu_dataplane_models import PRESETS, time_verify_steps  # noqa: E402
 from bench.gpu_dataplane_report import write_report  # noqa: E402
 from minedraft.v1 import engine_pb2  # noqa: E402
-from specdec.dataplane import DistPlaneConfig, DraftProbsClient, DraftProbsServer  # noqa: E402
-from specdec.dataplane_ipc import IpcPlaneConfig, IpcProbsClient, IpcProbsServer  # noqa: E402
-from specdec.dataplane_shm import SHM_DIR  # noqa: E402
-from specdec.tensor_proto import proto_to_tensor, tensor_to_proto  # noqa: E402
+from specdec.dataplane.dist import DistPlaneConfig, DraftProbsClient, DraftProbsServer  # noqa: E402
+from specdec.dataplane.ipc import IpcPlaneConfig, IpcProbsClient, IpcProbsServer  # noqa: E402
+from specdec.dataplane.shm import SHM_DIR  # noqa: E402
+from engine_svc.tensor_proto import proto_to_tensor, tensor_to_proto  # noqa: E402
 
 PLANES = ("nccl", "ipc", "inline", "ids")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

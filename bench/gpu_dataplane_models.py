@@ -1,7 +1,7 @@
 """Random-weight Llama targets of real models' shapes and the timed verify step for
 ``bench/gpu_dataplane.py`` (no weights are downloaded: shapes only, weights ~ N(0, 0.02)).
 
-``time_verify_steps`` times ``specdec.worker.TargetWorker.verify`` (the verifier's real step:
+``time_verify_steps`` times ``specdec.engine.worker.TargetWorker.verify`` (the verifier's real step:
 slot-KV forward of b x (k + 1) tokens, rejection sampling against draft probs, commit) in eager
 mode; k = 0 is a plain decode step.
 """
@@ -59,9 +59,9 @@ def time_verify_steps(models: list[str], batches: list[int], ks: list[int], devi
                       context_len: int, iters: int) -> list[dict]:
     """Rows {model, b, k, verify_ms (median), verify_p90_ms, num_iters}; k = 0 rows are decode."""
     from specdec.config import CacheConfig, ModelConfig
-    from specdec.runner import ModelRunner
-    from specdec.sampling import SamplingParams
-    from specdec.worker import TargetWorker
+    from specdec.engine.runner import ModelRunner
+    from specdec.sample.sampling import SamplingParams
+    from specdec.engine.worker import TargetWorker
 
     rows = []
     all_ks = [0, *ks]

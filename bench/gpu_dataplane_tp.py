@@ -59,7 +59,7 @@ def _outputs(outputs) -> list[dict]:
 
 def run(model_dir: str, out_path: str) -> None:
     from minedraft.v1 import engine_pb2
-    from specdec.tensor_proto import tensor_to_proto
+    from engine_svc.tensor_proto import tensor_to_proto
     from verifier_svc.__main__ import load_engine, parse_args
     from verifier_svc.tp import TPContext
 

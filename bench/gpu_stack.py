@@ -11,7 +11,7 @@ Parts (each runs only while ``--time-budget-s`` lasts; results are written after
   (each with its drafter and verifier on that GPU), the prompts split between them.
 - ``c``: paper scale, ``--paper-target`` (random:llama-8b) and ``--paper-draft``
   (random:qwen3-0.6b), random weights, acceptance fixed by the BENCHMARK-ONLY
-  ``--bench-fixed-acceptance`` (``specdec.fixed_acceptance``): ar, sd, psd, every output labelled.
+  ``--bench-fixed-acceptance`` (``specdec.sample.fixed_acceptance``): ar, sd, psd, every output labelled.
 - ``d``: part b at paper scale (two sd replicas of the random models, same fixed acceptance).
 
 The engines of a part are started once; each mode then gets its own coordinator and gateway
@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 from bench.gpu_stack_cli import gpu_names, parse_args
 from bench.gpu_stack_report import Report, RunResult, merge_runs, summarize_step_log
-from minedraft.bench_only import fixed_acceptance_label
+from specdec.sample.bench_only import fixed_acceptance_label
 from minedraft.launcher import Stack, resolve_model_dir
 from minedraft.placement import default_dtype
 from minedraft.prompts import PromptsConfig, run_prompts
@@ -39,7 +39,7 @@ from minedraft.stack import (StackConfig, coordinator_spec, drafter_spec, free_l
                              resolve_draft_dir, verifier_spec)
 
 REPLICA_GPUS = (0, 1)
-RANDOM_TOKENIZER_ENV = "MINEDRAFT_RANDOM_TOKENIZER"   # specdec.random_models: tokenizer of random:<preset>
+RANDOM_TOKENIZER_ENV = "MINEDRAFT_RANDOM_TOKENIZER"   # specdec.models.random_models: tokenizer of random:<preset>
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Ratios (output tokens/s): psd/sd, psd/ar and psd/(2x sd) (two data-parallel sd replicas, one
 per GPU, the same hardware as psd), for the real models (parts a, b) and the paper-scale random
 models (parts c, d). Parts c and d ran with the BENCHMARK-ONLY fixed acceptance: every table,
-heading and JSON record of theirs carries ``minedraft.bench_only.fixed_acceptance_label``.
+heading and JSON record of theirs carries ``specdec.sample.bench_only.fixed_acceptance_label``.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from minedraft.bench_only import expected_mean_acceptance_length, fixed_acceptance_label
+from specdec.sample.bench_only import expected_mean_acceptance_length, fixed_acceptance_label
 from minedraft.prompts import summarize, write_json
 
 PAIRS = (("a", "b"), ("c", "d"))          # (modes part, replicas part) on the same models

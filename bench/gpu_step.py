@@ -1,13 +1,13 @@
 """Engine step times on one GPU: eager vs CUDA graphs, against the card's memory-bandwidth floor.
 
-For each model (random-weight presets of ``specdec.random_models``; the real SmolLM2 target too
-when its package is installed) this times, through ``specdec.runner.ModelRunner.forward``:
+For each model (random-weight presets of ``specdec.models.random_models``; the real SmolLM2 target too
+when its package is installed) this times, through ``specdec.engine.runner.ModelRunner.forward``:
 
 - the **decode step** (1 token per row; a draft step is a decode step of the draft model) and
 - the **verify step** (k + 1 tokens per row),
 
 at batch 1, 4 and 16, each slot holding ``--context-len`` cached tokens, with the dynamic eager
-path (``cuda_graphs=False``) and with CUDA graphs (``specdec.cuda_graphs``). A step's time is
+path (``cuda_graphs=False``) and with CUDA graphs (``specdec.engine.cuda_graphs``). A step's time is
 the host wall time of one ``forward`` call including input preparation, the copy of the
 logits to float32 and a device synchronize (median of ``--iters``); the KV cache is rolled back
 after every step so all steps see the same context.
@@ -16,7 +16,7 @@ after every step so all steps see the same context.
 step reads only b rows) divided by the card's best measured bandwidth (a large
 device-to-device copy, counting read + written bytes, and a large read-only reduction).
 
-**Greedy identity**: in-process ``ar``, ``sd`` and ``psd`` (``specdec.generate``) on the GPU
+**Greedy identity**: in-process ``ar``, ``sd`` and ``psd`` (``reference.loop``) on the GPU
 with graphs on: sd/psd outputs must equal ar's token for token (target random:smollm2-135m in
 float32, draft the same weights in bfloat16, so drafts are partly accepted, partly rejected).
 
@@ -46,8 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.gpu_step_identity import greedy_identity  # noqa: E402
 from bench.gpu_step_report import write_markdown  # noqa: E402
 from specdec.config import CacheConfig, ModelConfig  # noqa: E402
-from specdec.random_models import is_random_spec  # noqa: E402
-from specdec.runner import ModelRunner  # noqa: E402
+from specdec.models.random_models import is_random_spec  # noqa: E402
+from specdec.engine.runner import ModelRunner  # noqa: E402
 
 DEFAULT_MODELS = "random:smollm2-135m,random:qwen3-0.6b,random:llama-8b"
 REAL_TARGET = "smollm2-135m-instruct"
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     device = torch.device(args.device)
     started = time.perf_counter()
-    from specdec.loader import packaged_gguf_path
+    from specdec.models.gguf import packaged_gguf_path
 
     try:
         if os.path.isfile(packaged_gguf_path()) and REAL_TARGET not in args.models:

@@ -1,5 +1,5 @@
 """Greedy identity on the GPU for ``bench/gpu_step.py``: ``ar`` vs ``sd``/``psd`` outputs through
-``specdec.generate`` with CUDA graphs on (random weights)."""
+``reference.loop`` with CUDA graphs on (random weights)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import random
 import torch
 
 from specdec.config import CacheConfig, ModelConfig
-from specdec.runner import ModelRunner
+from specdec.engine.runner import ModelRunner
 
 
 def greedy_identity(args, device: torch.device) -> dict:
-    """ar vs sd vs psd greedy outputs through specdec.generate, graphs on (random weights).
+    """ar vs sd vs psd greedy outputs through reference.loop, graphs on (random weights).
 
     Two drafts: the target's own weights in bfloat16 (most drafts accepted, some rejected) and
     another seed (almost all rejected), so both the accept and the reject paths are checked.
@@ -43,10 +43,10 @@ def greedy_identity(args, device: torch.device) -> dict:
 
 def _run_loop(mode: str, target: ModelRunner, draft: ModelRunner | None,
               prompts: list[list[int]], args) -> tuple[list[list[int]], dict]:
-    """Greedy outputs of one ``specdec.generate.ReferenceLoop`` run, and its stats."""
-    from specdec.generate import LoopConfig, ReferenceLoop, Request
-    from specdec.sampling import SamplingParams
-    from specdec.worker import DraftWorker, TargetWorker
+    """Greedy outputs of one ``reference.loop.ReferenceLoop`` run, and its stats."""
+    from reference.loop import LoopConfig, ReferenceLoop, Request
+    from specdec.sample.sampling import SamplingParams
+    from specdec.engine.worker import DraftWorker, TargetWorker
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     requests = [Request(f"r{i}", list(p), params) for i, p in enumerate(prompts)]

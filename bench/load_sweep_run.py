@@ -114,7 +114,7 @@ def window_steps(step_log: str, start_s: float, end_s: float) -> dict:
     """Coordinator steps that started in ``[start_s, end_s]`` (Unix s): count per mode, k
     histogram (``{"k": steps}``), mean step wall / draft / verify ms, total step time (s) and the
     steps slower than ``SLOW_STEP_MS`` (count, seconds: on a GPU mostly first-use CUDA graph
-    captures of a new batch/verify-width/KV shape, ``specdec.cuda_graphs``); {} without steps."""
+    captures of a new batch/verify-width/KV shape, ``specdec.engine.cuda_graphs``); {} without steps."""
     try:
         with open(step_log, encoding="utf-8") as f:
             steps = [s for s in map(json.loads, filter(str.strip, f)) if start_s <= s["start_s"] <= end_s]

@@ -7,7 +7,7 @@ every rep with new lengths (as in service, where every prompt has a length of it
 - ``one_per_forward``: ``max_prefill_tokens = 0`` (one forward per prompt, before the change);
 - ``batched``: ``max_prefill_tokens = --max-prefill-tokens`` (several prompts per forward);
 - ``one_per_forward_cudnn`` (CUDA only, ``--with-cudnn``): one per forward with cuDNN's SDPA
-  allowed on the dynamic path again, as before ``specdec.slot_attention`` left it out;
+  allowed on the dynamic path again, as before ``specdec.kv.slot_attention`` left it out;
 - ``one_per_forward_graphs`` (CUDA only): one per forward, each prompt of at most
   ``max_graph_prefill_tokens`` (default 1024) padded to its length bucket and run as a replayed
   CUDA graph (``StaticStepper.prefill``; graphs precaptured at start-up, as in service). The
@@ -41,11 +41,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.cpu_step import write_results  # noqa: E402
-from specdec import slot_attention  # noqa: E402
+from specdec.kv import slot_attention  # noqa: E402
 from specdec.config import CacheConfig, ModelConfig  # noqa: E402
-from specdec.runner import ModelRunner  # noqa: E402
-from specdec.sampling import SamplingParams  # noqa: E402
-from specdec.worker import TargetWorker  # noqa: E402
+from specdec.engine.runner import ModelRunner  # noqa: E402
+from specdec.sample.sampling import SamplingParams  # noqa: E402
+from specdec.engine.worker import TargetWorker  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
 

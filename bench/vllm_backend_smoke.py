@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-tokens", type=int, default=32)
     p.add_argument("--enforce-eager", action="store_true")
     a = p.parse_args(argv)
-    from specdec.sampling import SamplingParams
+    from specdec.sample.sampling import SamplingParams
     from specdec.vllm_backend.draft import VllmDraftWorker
     from specdec.vllm_backend.engine import VllmEngineConfig
     from specdec.vllm_backend.models import resolve_vllm_model

@@ -1,6 +1,6 @@
 """The ``minedraft`` command line: ``up``, ``generate``, ``prompts``, ``demo``, ``distill``.
 
-Only ``distill`` imports torch (lazily, through ``specdec.distill``).
+Only ``distill`` imports torch (lazily, through ``distill.run``).
 """
 from __future__ import annotations
 
@@ -194,7 +194,7 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_distill(args, rest: list[str]) -> int:
-    from specdec.distill import main as distill_main  # torch: imported only here
+    from distill.run import main as distill_main  # torch: imported only here
 
     return int(distill_main(rest) or 0)
 
@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     timeline.add_argument("--out", default="timeline.png", help="PNG to write")
     timeline.add_argument("--first-step", type=int, default=0, help="first step id drawn (0 = the first)")
     timeline.add_argument("--max-steps", type=int, default=30, help="steps drawn")
-    sub.add_parser("distill", help="train a draft model (specdec.distill; see `minedraft distill --help`)",
+    sub.add_parser("distill", help="train a draft model (distill.run; see `minedraft distill --help`)",
                    add_help=False)
     return parser
 

@@ -17,7 +17,7 @@ def tiny_model_dir(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from conftest import _build_tiny_llama
-    from specdec.loader import packaged_gguf_path
+    from specdec.models.gguf import packaged_gguf_path
 
     path = str(tmp_path_factory.mktemp("tiny"))
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(packaged_gguf_path()),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from bench import prefill
-from specdec import slot_attention
+from specdec.kv import slot_attention
 
 
 def test_prefill_bench_times_both_variants_and_labels_random_weights(tmp_path):

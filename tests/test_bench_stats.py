@@ -158,7 +158,7 @@ def test_export_draft_is_a_standalone_hf_model_equal_to_our_draft(tiny_llama_dir
     from transformers import LlamaForCausalLM
 
     from bench.export_hf import EXPORT_META_FILE, export_draft, export_target
-    from specdec.draft_format import load_draft, make_truncated_draft
+    from specdec.models.draft_format import load_draft, make_truncated_draft
 
     target = tiny_llama_dir(tmp_path / "target", num_layers=3)
     make_truncated_draft(target, [0, 2], str(tmp_path / "draft"))

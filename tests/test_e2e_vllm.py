@@ -41,7 +41,7 @@ def model_dirs(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from conftest import _build_tiny_llama
-    from specdec.loader import packaged_gguf_path
+    from specdec.models.gguf import packaged_gguf_path
 
     assert os.path.isfile(engine_python("vllm"))  # ValueError (a failure, not a skip) without .venv-vllm
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(packaged_gguf_path()),

@@ -164,7 +164,7 @@ def tiny_dirs(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from conftest import _build_tiny_llama
-    from specdec.loader import packaged_gguf_path
+    from specdec.models.gguf import packaged_gguf_path
 
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(packaged_gguf_path()),
                                               gguf_file=os.path.basename(packaged_gguf_path()))

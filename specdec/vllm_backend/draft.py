@@ -24,14 +24,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from specdec.draft_worker import merge_committed
+from specdec.engine.draft_worker import merge_committed
 from specdec.engine_api import EngineFacts
 from specdec.errors import CapacityError
-from specdec.sampling import SamplingParams
+from specdec.sample.sampling import SamplingParams
 from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
 from specdec.vllm_backend.engine import VllmEngineConfig, build_engine, refusals_as_value_errors, to_vllm_sampling
 from specdec.vllm_backend.outputs import collect_step, engine_facts
-from specdec.worker_base import DraftCapacityError
+from specdec.engine.worker_base import DraftCapacityError
 
 _SEED_BITS = 63
 _SEED_MIX = 0x9E3779B97F4A7C15   # golden-ratio constant: decorrelates per-call draft seeds

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 
 from specdec.errors import CapacityError
-from specdec.sampling import TOP_K_OFF, SamplingParams
+from specdec.sample.sampling import TOP_K_OFF, SamplingParams
 
 logger = logging.getLogger(__name__)
 

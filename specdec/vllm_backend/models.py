@@ -15,10 +15,11 @@ import hashlib
 import os
 
 from specdec.config import ModelConfig
-from specdec.draft_format import DRAFT_META_FILE
-from specdec.hf_export import EXPORT_META_FILE, export_draft
-from specdec.loader import build_cached_dir, cache_root, resolve_model_dir
-from specdec.random_models import is_random_spec, model_dir as random_model_dir, read_marker
+from specdec.models.draft_format import DRAFT_META_FILE
+from specdec.models.hf_export import EXPORT_META_FILE, export_draft
+from specdec.models.cache import build_cached_dir, cache_root
+from specdec.models.resolve import resolve_model_dir
+from specdec.models.random_models import is_random_spec, model_dir as random_model_dir, read_marker
 
 
 def resolve_vllm_model(model: str, target_dir: str | None = None) -> tuple[str, str]:

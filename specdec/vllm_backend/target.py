@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from specdec.engine_api import EngineFacts
 from specdec.errors import CapacityError
-from specdec.sampling import SamplingParams
+from specdec.sample.sampling import SamplingParams
 from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
 from specdec.vllm_backend.engine import (VllmEngineConfig, build_engine, refusals_as_value_errors, scheduler_of,
                                          to_vllm_sampling)
