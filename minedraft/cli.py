@@ -75,7 +75,7 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
                         "to this many tokens (0: off; default 1024 on cuda with graphs, else 0)")
     p.add_argument("--engine", choices=ENGINES, default="native",
                    help="what runs the models: native (our transformers engine, the CPU default) or vllm "
-                        "(vLLM's engine; on CPU from .venv-vllm: bash bench/setup_vllm.sh)")
+                        "(vLLM's engine; on CPU from .venv-vllm: bash bench/engines/setup_vllm.sh)")
     p.add_argument("--engine-python", default="", help="--engine vllm: the Python with vLLM (default: found)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="--engine vllm on cuda: the verifier's share of its GPU (default 0.85, 0.55 when "

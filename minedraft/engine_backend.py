@@ -3,7 +3,7 @@
 ``native`` runs both engine services on our transformers engine in this Python. ``vllm`` runs
 them on vLLM (``specdec.vllm_backend``): in the Python given by ``--engine-python``, else this
 one when it has vLLM (the GPU host), else ``.venv-vllm/bin/python`` beside the repo (the CPU
-build, made by ``bash bench/setup_vllm.sh``). Each vLLM engine is sized here:
+build, made by ``bash bench/engines/setup_vllm.sh``). Each vLLM engine is sized here:
 
 - on a GPU, the fraction of GPU memory it may take (``--gpu-memory-utilization``): a drafter
   sharing the verifier's GPU gets ``SHARED_GPU_UTILIZATION["drafter"]`` and the verifier the
@@ -49,7 +49,7 @@ def engine_python(engine: str, explicit: str = "") -> str:
     if os.path.isfile(candidate):
         return candidate
     raise ValueError("engine: vllm is not installed in this Python and there is no .venv-vllm; run "
-                     "`bash bench/setup_vllm.sh` or pass --engine-python PATH")
+                     "`bash bench/engines/setup_vllm.sh` or pass --engine-python PATH")
 
 
 def vllm_service_args(cfg, role: str, model_dir: str) -> list[str]:

@@ -105,7 +105,7 @@ class Stack:
 
     def add_services(self, specs: list[ServiceSpec], log=print) -> None:
         """Start ``specs`` in this stack and wait until every service is SERVING; e.g. a coordinator
-        and gateway in front of engines another Stack runs (bench/gpu_stack.py switches modes
+        and gateway in front of engines another Stack runs (bench/gpu/gpu_stack.py switches modes
         without reloading the models). Raises StackError as ``start``."""
         self.run_dir = self.run_dir or os.path.join(self.cfg.runs_dir, time.strftime("%Y%m%d-%H%M%S"))
         os.makedirs(self.run_dir, exist_ok=True)

@@ -1,4 +1,4 @@
-"""bench/engine_vllm.py: ours end to end on a tiny model (--skip-vllm), and vLLM's decode arithmetic."""
+"""bench/engines/engine_vllm.py: ours end to end on a tiny model (--skip-vllm), and vLLM's decode arithmetic."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from bench import engine_vllm
+from bench.engines import engine_vllm
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,10 @@
-"""bench/prefill.py on a tiny random model (CPU twin of the GPU admission benchmark)."""
+"""bench/cpu/prefill.py on a tiny random model (CPU twin of the GPU admission benchmark)."""
 
 from __future__ import annotations
 
 import json
 
-from bench import prefill
+from bench.cpu import prefill
 from specdec.kv import slot_attention
 
 

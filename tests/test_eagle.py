@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from bench.eagle_acceptance import walk
+from bench.draft.eagle_acceptance import walk
 from distill import run as distill
 from specdec.models import draft_format as fmt
 from distill.eagle import EagleHead, target_features, unrolled_logits

@@ -142,7 +142,7 @@ class SlotKVCache:
         of its own row), built on the cache's device once per forward with the ``G`` query heads
         of a KV head folded into the query axis (row ``g * q + t`` is token t), not per layer.
         On an H200 a one-prompt admission spent 6-7 ms building this mask on the host and 3-4 ms
-        repeating it in each of the 30 layers, of ~40 ms (``bench/prefill.py --profile``)."""
+        repeating it in each of the 30 layers, of ~40 ms (``bench/cpu/prefill.py --profile``)."""
         q_len = positions.shape[1]
         if self.is_causal_shortcut and q_len > 1 and is_unpadded and not any(starts):
             return CAUSAL_MASK

@@ -10,7 +10,7 @@
   full 49152-id vocabulary, while our drafter uses the FR-Spec head of ``draft_vocab_size`` ids
   (Zhao et al. 2025, arXiv 2502.14856, Sec. 3); the export records this in ``minedraft_export.json``.
 
-Used by the vLLM drafter (``specdec.vllm_backend.models``) and by ``python -m bench.export_hf``.
+Used by the vLLM drafter (``specdec.vllm_backend.models``) and by ``python -m bench.engines.export_hf``.
 """
 from __future__ import annotations
 

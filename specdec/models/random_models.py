@@ -37,7 +37,7 @@ output is of the same scale as its input, so the logits depend on the whole netw
 flat ``std = 0.02`` a small tied-embedding model only repeats its last input token) from a
 ``torch.Generator`` seeded with the spec's seed on that device, norm weights 1, biases 0,
 rotary buffers recomputed. An 8B bf16 model so inits in about 0.1 s on an H200 (measured by
-``bench/gpu_step.py``; no host copy). Same seed, device and dtype -> identical weights.
+``bench/gpu/gpu_step.py``; no host copy). Same seed, device and dtype -> identical weights.
 """
 
 from __future__ import annotations
