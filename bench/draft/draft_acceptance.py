@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from bench.draft.draft_sd_reference import forward_ms, probs, sd_accepted_counts, target_vocab_logits  # noqa: E402
 from specdec.config import ModelConfig  # noqa: E402
-from distill.run import pad_batch  # noqa: E402
+from distill.data import pad_batch  # noqa: E402
 from specdec.models.draft_format import load_draft, read_meta, resolve_target_dir  # noqa: E402
 
 SPEC_BENCH = "/work/shared/data/spec_bench/question.jsonl"
