@@ -20,6 +20,9 @@ RUN pip install --index-url "$TORCH_INDEX_URL" "$(grep '^torch==' requirements.t
 
 COPY minedraft ./minedraft
 COPY specdec ./specdec
+COPY engine_svc ./engine_svc
+COPY distill ./distill
+COPY reference ./reference
 COPY coordinator ./coordinator
 COPY gateway ./gateway
 COPY drafter_svc ./drafter_svc

@@ -21,8 +21,8 @@ $(STAMP): requirements.txt pyproject.toml
 venv: $(STAMP)
 
 # vLLM's CPU build in its own venv (it pins its own transformers/fastapi): --engine vllm on CPU
-$(VLLM_STAMP): bench/setup_vllm.sh requirements-vllm.txt pyproject.toml
-	VENV=$(VLLM_VENV) bash bench/setup_vllm.sh
+$(VLLM_STAMP): bench/engines/setup_vllm.sh requirements-vllm.txt pyproject.toml
+	VENV=$(VLLM_VENV) bash bench/engines/setup_vllm.sh
 	touch $(VLLM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)

@@ -3,7 +3,7 @@
 The MineDraft paper's vLLM plugin admits by the target's KV blocks alone; the drafter keeps KV for
 every resident request too (2m of them in ``psd``), so a drafter with less room fails mid-traffic.
 Here both engines preallocate one KV slot of ``max_model_len`` tokens per request
-(``specdec.kv_cache``; start-up checks the memory of both, ``minedraft.capacity``), report their
+(``specdec.kv.kv_cache``; start-up checks the memory of both, ``minedraft.capacity``), report their
 free slots in ``EngineInfo.num_free_slots``, and the coordinator admits at most what *both* hold:
 ``min(2m or m, verifier slots, drafter slots)`` (the drafter counts in every mode that drafts:
 ``sd``, ``psd``, ``auto``). Context windows (``max_model_len``) are handled per request by

@@ -23,7 +23,7 @@ from coordinator.request import PendingDrafts, RequestState
 
 # errors of the call itself, not of one request: no point in retrying requests one by one
 _TRANSPORT_ERRORS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
-# a drafter's answer about one request (drafter_svc.engine_service.grpc_code_of: a CapacityError, a
+# a drafter's answer about one request (engine_svc.service.grpc_code_of: a CapacityError, a
 # bad prompt or id); any other error (INTERNAL, UNIMPLEMENTED, ...) means the drafter itself is broken
 _REFUSAL_CODES = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT)
 _INT_TYPECODES = {"int32": "i", "int64": "q"}

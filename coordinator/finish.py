@@ -28,7 +28,7 @@ class FinishReason(enum.StrEnum):
 class FinishParamsLike(Protocol):
     """What :func:`apply_finish` reads from a params object (duck-typed).
 
-    ``minedraft.v1.SamplingParams`` messages, ``specdec.sampling.SamplingParams`` and
+    ``minedraft.v1.SamplingParams`` messages, ``specdec.sample.sampling.SamplingParams`` and
     :class:`FinishParams` all qualify.
     """
 

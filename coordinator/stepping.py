@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -36,6 +37,15 @@ from coordinator.request import RequestState, RequestStatus
 from coordinator.stats import StepStats, StepTimes
 from coordinator.tracing import Phase, StepTrace, finish_step, start_step
 from opentelemetry import trace
+
+
+@dataclass
+class Committed:
+    """What one step committed: tokens emitted, and per verified draft its accepted count and k_i."""
+
+    num_emitted: int = 0
+    accepted: list[int] = field(default_factory=list)
+    num_spec_tokens: list[int] = field(default_factory=list)
 
 
 class StepLoop:
@@ -55,13 +65,33 @@ class StepLoop:
                 raise
 
     async def _run_step(self, step_trace: StepTrace) -> StepStats:
+        """The PSD step: schedule, draft one batch while verifying the other, commit (finished
+        requests are recycled as they finish), flip. ``ar`` and ``sd`` steps take the same path
+        with no draft-ahead batch."""
         start, mode, times = time.perf_counter(), self.step_mode(step_trace), StepTimes()
         verify_reqs, ahead_reqs = self._schedule(mode)
         step_trace.add_requests(verify_reqs + ahead_reqs)
         verify_batch = 1 - self.batches.skip_batch if mode == Mode.PSD else 0
-        spec_reqs = await self._ensure_drafts(verify_reqs, mode, times, verify_batch)
-        groups = _verify_groups(spec_reqs, [r for r in verify_reqs if r not in spec_reqs])
+        groups = await self._verify_groups(verify_reqs, mode, times, verify_batch)
         ahead_spec = self._speculative(ahead_reqs) if mode == Mode.PSD else []
+        verify_start_s, responses = await self._verify_while_drafting(groups, ahead_spec, times, verify_batch, mode)
+        committed = self._commit_verified(groups, responses, times, verify_start_s, verify_batch)
+        is_parallel = mode == Mode.PSD and bool(ahead_spec) and self.mode != Mode.AR
+        self._flip(mode, bool(ahead_reqs))
+        return self._record(mode, verify_reqs, committed, times, start, is_parallel, step_trace)
+
+    async def _verify_groups(self, verify_reqs: list[RequestState], mode: Mode, times: StepTimes,
+                             verify_batch: int) -> list[tuple[list, list | None]]:
+        """The verify batch as Verify calls: one per drafter step among the drafted requests
+        (drafted now where drafts are missing, ``_ensure_drafts``), one with k = 0 for the rest."""
+        spec_reqs = await self._ensure_drafts(verify_reqs, mode, times, verify_batch)
+        return _group_by_draft_step(spec_reqs, [r for r in verify_reqs if r not in spec_reqs])
+
+    async def _verify_while_drafting(self, groups, ahead_spec: list[RequestState], times: StepTimes,
+                                     verify_batch: int, mode: Mode) -> tuple[float, list]:
+        """Run the Verify calls of ``groups`` and, at the same time (``asyncio.gather``), the Draft
+        call of the other batch's ``ahead_spec`` for the next step (psd, drafter on). Returns (wall
+        clock at the start, one (VerifyResponse, rpc ms) per group). Raises a Verify call's error."""
         verify_start_s = time.time()
         num_steps = [self._num_decode_steps(reqs) if mode == Mode.AR else 1 for reqs, _ in groups]
         calls = [self.engines.verify(self.step_id, [r.request_id for r in reqs], d, self._data_plane, n)
@@ -72,28 +102,44 @@ class StepLoop:
         for result in results[: len(groups)]:
             if isinstance(result, BaseException):
                 raise result
-        num_emitted, accepted, num_spec_tokens = 0, [], []
-        for (reqs, d), n, (response, verify_rpc_ms) in zip(groups, num_steps, results[: len(groups)]):
-            times.phases.append(Phase("verifier", verify_batch, verify_start_s, response.verify_ms, verify_rpc_ms,
-                                      len(reqs)))
-            times.verify_ms += response.verify_ms
-            times.data_plane_ms += response.data_plane_ms
-            # verify cost is fitted at the call's widest row (its padded width on a GPU)
-            self.spec_stats.cost.observe_verify(len(reqs), max((len(x.token_ids) for x in d or ()), default=NO_DRAFT),
-                                                response.verify_ms / n)   # per decode step
+        return verify_start_s, results[: len(groups)]
+
+    def _commit_verified(self, groups, responses, times: StepTimes, verify_start_s: float,
+                         verify_batch: int) -> Committed:
+        """Account each Verify call (times, cost model) and commit its requests' tokens
+        (``_postprocess``); returns what the step committed."""
+        committed = Committed()
+        for (reqs, d), (response, verify_rpc_ms) in zip(groups, responses):
+            self._account_verify(reqs, d, response, verify_rpc_ms, times, verify_start_s, verify_batch)
             group_emitted, group_accepted, group_ks = self._postprocess(reqs, d, response)
-            num_emitted += group_emitted
-            accepted += group_accepted if d else []
-            num_spec_tokens += group_ks if d else []
-        is_parallel = mode == Mode.PSD and bool(ahead_spec) and self.mode != Mode.AR
-        if mode == Mode.PSD and ahead_reqs:
+            committed.num_emitted += group_emitted
+            committed.accepted += group_accepted if d else []
+            committed.num_spec_tokens += group_ks if d else []
+        return committed
+
+    def _account_verify(self, reqs, drafts, response: engine_pb2.VerifyResponse, rpc_ms: float,
+                        times: StepTimes, start_s: float, batch: int) -> None:
+        """One Verify call's phase and times, and its cost, fitted at the call's widest row (its
+        padded width on a GPU)."""
+        times.phases.append(Phase("verifier", batch, start_s, response.verify_ms, rpc_ms, len(reqs)))
+        times.verify_ms += response.verify_ms
+        times.data_plane_ms += response.data_plane_ms
+        # verify cost is fitted at the call's widest row (its padded width on a GPU), per decode
+        # step when a plain call decoded several (multi-step decoding)
+        num_steps = 1 if drafts else max((len(out.token_ids) for out in response.outputs), default=1)
+        self.spec_stats.cost.observe_verify(len(reqs), max((len(x.token_ids) for x in drafts or ()), default=NO_DRAFT),
+                                            response.verify_ms / max(num_steps, 1))
+
+    def _flip(self, mode: Mode, drafted_ahead: bool) -> None:
+        """psd: the batch drafted ahead is verified next step (``flip``); with no batch to draft
+        ahead the Batch Manager only notes that psd started. ``auto`` running ar/sd keeps one
+        batch of everything this step."""
+        if mode == Mode.PSD and drafted_ahead:
             self.batches.flip()
         elif mode == Mode.PSD:
             self.batches.mark_started()
-        elif self.cfg.uses_batches:  # auto ran ar/sd: one batch of everything this step
+        elif self.cfg.uses_batches:
             self.batches.mark_not_started()
-        return self._record(mode, verify_reqs, num_spec_tokens, times, accepted, num_emitted, start, is_parallel,
-                            step_trace)
 
     async def _ensure_drafts(self, verify_reqs: list[RequestState], mode: Mode, times: StepTimes,
                              batch: int) -> list[RequestState]:
@@ -230,9 +276,10 @@ class StepLoop:
             self._retire(request, reason)
         return reason is None
 
-    def _record(self, mode, verify_reqs, num_spec_tokens: list[int], times, accepted, num_emitted, start,
-                is_parallel, step_trace: StepTrace) -> StepStats:
-        """``num_spec_tokens``: k of each verified draft (one per entry of ``accepted``)."""
+    def _record(self, mode, verify_reqs, committed: Committed, times, start, is_parallel,
+                step_trace: StepTrace) -> StepStats:
+        """The step's ``StepStats``, fed to the totals, the k and auto policies, the trace and the metrics."""
+        num_spec_tokens, accepted, num_emitted = committed.num_spec_tokens, committed.accepted, committed.num_emitted
         k = max(num_spec_tokens, default=0)
         wall_ms = (time.perf_counter() - start) * 1e3
         stats = StepStats(
@@ -256,7 +303,8 @@ class StepLoop:
         return stats
 
 
-def _verify_groups(spec_reqs: list[RequestState], plain_reqs: list[RequestState]) -> list[tuple[list, list | None]]:
+def _group_by_draft_step(spec_reqs: list[RequestState],
+                         plain_reqs: list[RequestState]) -> list[tuple[list, list | None]]:
     """One Verify call per drafter step among the drafted requests (their k_i may differ: ragged
     rows), plus one with k = 0 for the undrafted ones."""
     by_draft: dict[int, list[RequestState]] = defaultdict(list)

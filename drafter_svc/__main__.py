@@ -3,8 +3,8 @@
 Start-up: bind and report NOT_SERVING -> load the draft model (and read the target's vocab
 size, so draft probs are padded to it) -> warm-up (add + draft + release of a dummy request)
 -> SERVING. With ``--data-plane dist`` the drafter hosts the data plane's TCPStore on
-``--dist-addr:--dist-port`` and serves draft-probs fetches from the verifier (specdec.dataplane);
-with ``--data-plane ipc`` it writes them into shared buffers (specdec.dataplane_ipc).
+``--dist-addr:--dist-port`` and serves draft-probs fetches from the verifier (specdec.dataplane.dist);
+with ``--data-plane ipc`` it writes them into shared buffers (specdec.dataplane.ipc).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import logging
 import os
 import sys
 
-from drafter_svc.engine_service import DATA_PLANE_NAMES, add_common_args, check_common_args
+from engine_svc.service import DATA_PLANE_NAMES, add_common_args, check_common_args
 from drafter_svc.servicer import DrafterServicer
 from minedraft import telemetry
-from minedraft.capacity import GIB, InsufficientMemoryError, check_fits, model_footprint
+from specdec.models.footprint import GIB, InsufficientMemoryError, check_fits, model_footprint
 from minedraft.serving import ServerOptions, build_server, serve_until_signal
 from minedraft.v1 import engine_pb2, engine_pb2_grpc
 
@@ -50,7 +50,8 @@ def _target_vocab_size(args: argparse.Namespace, draft_dir: str) -> int | None:
     from transformers import AutoConfig
 
     from specdec.config import ModelConfig
-    from specdec.loader import check_vocab_compat, resolve_model_dir
+    from specdec.models.loader import check_vocab_compat
+    from specdec.models.resolve import resolve_model_dir
 
     target_dir = resolve_model_dir(ModelConfig(model=args.model))
     if all(os.path.isfile(os.path.join(d, "tokenizer_config.json")) for d in (target_dir, draft_dir)):
@@ -61,7 +62,7 @@ def _target_vocab_size(args: argparse.Namespace, draft_dir: str) -> int | None:
 
 def check_draft_memory(draft_dir: str, args: argparse.Namespace) -> None:
     """Draft weights + draft KV (``--max-num-seqs`` x ``--max-model-len``) against available memory,
-    before anything is allocated. Raises ``minedraft.capacity.InsufficientMemoryError``."""
+    before anything is allocated. Raises ``specdec.models.footprint.InsufficientMemoryError``."""
     try:
         footprint = model_footprint("draft", draft_dir, args.dtype, args.max_num_seqs, args.max_model_len)
     except (OSError, KeyError) as exc:  # e.g. a GGUF draft: no safetensors header to read
@@ -77,9 +78,9 @@ def load_worker(args: argparse.Namespace):
     if args.engine == "vllm":
         return _load_vllm_worker(args)
     from specdec.config import CacheConfig, ModelConfig
-    from specdec.loader import resolve_model_dir
-    from specdec.runner import ModelRunner
-    from specdec.worker import DraftWorker
+    from specdec.models.resolve import resolve_model_dir
+    from specdec.engine.runner import ModelRunner
+    from specdec.engine.worker import DraftWorker
 
     model_cfg = ModelConfig(model=args.draft, gguf_file=args.draft_gguf_file, dtype=args.dtype,
                             device=args.device, num_threads=args.num_threads,
@@ -95,9 +96,9 @@ def load_worker(args: argparse.Namespace):
 
 def _load_vllm_worker(args: argparse.Namespace):
     """``VllmDraftWorker`` (a MineDraft draft dir is exported to a standalone HF dir first)."""
-    from drafter_svc.engine_service import vllm_engine_config
+    from engine_svc.service import vllm_engine_config
     from specdec.config import ModelConfig
-    from specdec.loader import resolve_model_dir
+    from specdec.models.resolve import resolve_model_dir
     from specdec.vllm_backend.draft import VllmDraftWorker
     from specdec.vllm_backend.models import resolve_vllm_model
 
@@ -109,7 +110,7 @@ def _load_vllm_worker(args: argparse.Namespace):
 
 def _probs_server(args: argparse.Namespace):
     if args.data_plane == "ipc":
-        from specdec.dataplane_ipc import IpcPlaneConfig, IpcProbsServer
+        from specdec.dataplane.ipc import IpcPlaneConfig, IpcProbsServer
 
         server = IpcProbsServer(IpcPlaneConfig(name=args.ipc_name, device=args.device,
                                                num_slots=args.max_buffered_steps,
@@ -118,7 +119,7 @@ def _probs_server(args: argparse.Namespace):
         return server
     if args.data_plane != "dist":
         return None
-    from specdec.dataplane import DistPlaneConfig, DraftProbsServer
+    from specdec.dataplane.dist import DistPlaneConfig, DraftProbsServer
 
     server = DraftProbsServer(DistPlaneConfig(addr=args.dist_addr, port=args.dist_port,
                                               connect_timeout_s=args.dist_timeout_s,

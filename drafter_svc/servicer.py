@@ -1,4 +1,4 @@
-"""``minedraft.v1.Drafter`` over ``specdec.worker.DraftWorker`` (grpc.aio).
+"""``minedraft.v1.Drafter`` over ``specdec.engine.worker.DraftWorker`` (grpc.aio).
 
 Every RPC that touches the model runs in the single engine thread (``EngineExecutor``).
 Errors: unknown request id -> NOT_FOUND; no slot / draft KV full -> RESOURCE_EXHAUSTED; bad
@@ -7,7 +7,7 @@ plane -> FAILED_PRECONDITION; an RPC before the model is loaded -> UNAVAILABLE.
 
 Draft probs (paper §5: the verifier needs q to stay lossless) go out by the configured data
 plane: inline in ``DraftResponse.draft_probs``, or kept for the verifier's on-demand fetch
-(``specdec.dataplane.DraftProbsServer``). Draft token ids are always inline.
+(``specdec.dataplane.dist.DraftProbsServer``). Draft token ids are always inline.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import grpc
 import torch
 from opentelemetry import trace
 
-from drafter_svc.engine_service import (
+from engine_svc.service import (
     EngineExecutor,
     abort_with,
     check_unique_ids,
@@ -27,9 +27,9 @@ from drafter_svc.engine_service import (
     to_sampling_params,
 )
 from minedraft.v1 import engine_pb2, engine_pb2_grpc
-from specdec.dataplane import DraftProbsServer
-from specdec.sampling import SamplingParams
-from specdec.tensor_proto import tensor_to_proto
+from specdec.dataplane.dist import DraftProbsServer
+from specdec.sample.sampling import SamplingParams
+from engine_svc.tensor_proto import tensor_to_proto
 
 WARMUP_REQUEST_ID = "__minedraft_warmup__"
 WARMUP_NUM_TOKENS = 4
@@ -59,7 +59,7 @@ class DrafterServicer(engine_pb2_grpc.DrafterServicer):
         self._request_ids: set[str] = set()
 
     def attach(self, worker) -> None:
-        """Serve with ``worker`` (a ``specdec.worker.DraftWorker``)."""
+        """Serve with ``worker`` (a ``specdec.engine.worker.DraftWorker``)."""
         self.worker = worker
 
     # ---- engine-thread functions (synchronous) ------------------------------------------

@@ -1,6 +1,6 @@
 """The ``minedraft`` command line: ``up``, ``generate``, ``prompts``, ``demo``, ``distill``.
 
-Only ``distill`` imports torch (lazily, through ``specdec.distill``).
+Only ``distill`` imports torch (lazily, through ``distill.run``).
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
                         "to this many tokens (0: off; default 1024 on cuda with graphs, else 0)")
     p.add_argument("--engine", choices=ENGINES, default="native",
                    help="what runs the models: native (our transformers engine, the CPU default) or vllm "
-                        "(vLLM's engine; on CPU from .venv-vllm: bash bench/setup_vllm.sh)")
+                        "(vLLM's engine; on CPU from .venv-vllm: bash bench/engines/setup_vllm.sh)")
     p.add_argument("--engine-python", default="", help="--engine vllm: the Python with vLLM (default: found)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="--engine vllm on cuda: the verifier's share of its GPU (default 0.85, 0.55 when "
@@ -197,7 +197,7 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_distill(args, rest: list[str]) -> int:
-    from specdec.distill import main as distill_main  # torch: imported only here
+    from distill.run import main as distill_main  # torch: imported only here
 
     return int(distill_main(rest) or 0)
 
@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     timeline.add_argument("--out", default="timeline.png", help="PNG to write")
     timeline.add_argument("--first-step", type=int, default=0, help="first step id drawn (0 = the first)")
     timeline.add_argument("--max-steps", type=int, default=30, help="steps drawn")
-    sub.add_parser("distill", help="train a draft model (specdec.distill; see `minedraft distill --help`)",
+    sub.add_parser("distill", help="train a draft model (distill.run; see `minedraft distill --help`)",
                    add_help=False)
     return parser
 

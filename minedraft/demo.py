@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from minedraft.bench_only import fixed_acceptance_label
+from specdec.sample.bench_only import fixed_acceptance_label
 from minedraft.launcher import Stack, resolve_model_dir
 from minedraft.prompts import PromptsConfig, format_metrics, results_as_records, run_prompts, write_json
 from minedraft.stack import StackConfig

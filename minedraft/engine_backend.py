@@ -3,13 +3,13 @@
 ``native`` runs both engine services on our transformers engine in this Python. ``vllm`` runs
 them on vLLM (``specdec.vllm_backend``): in the Python given by ``--engine-python``, else this
 one when it has vLLM (the GPU host), else ``.venv-vllm/bin/python`` beside the repo (the CPU
-build, made by ``bash bench/setup_vllm.sh``). Each vLLM engine is sized here:
+build, made by ``bash bench/engines/setup_vllm.sh``). Each vLLM engine is sized here:
 
 - on a GPU, the fraction of GPU memory it may take (``--gpu-memory-utilization``): a drafter
   sharing the verifier's GPU gets ``SHARED_GPU_UTILIZATION["drafter"]`` and the verifier the
   rest of ``SHARED_GPU_UTILIZATION``; an engine with its GPU to itself ``OWN_GPU_UTILIZATION``;
 - on CPU, the KV cache (``--kv-cache-space-gib``): what 2m requests of ``max_model_len`` (+ k
-  lookahead and a block of slack) need, from the model's config (``minedraft.capacity``);
+  lookahead and a block of slack) need, from the model's config (``specdec.models.footprint``);
 - the verifier's vLLM speculative config takes up to k draft tokens (0 in ``ar``: a plain
   decoding engine) and vLLM's own tensor parallelism (``--tensor-parallel-size``, no torchrun).
 """
@@ -20,6 +20,7 @@ import os
 import sys
 
 from specdec.engine_api import ENGINES  # noqa: F401  (torch-free; part of this module's API)
+from specdec.models.footprint import GIB, model_footprint
 
 SHARED_GPU_UTILIZATION = {"verifier": 0.55, "drafter": 0.3}
 OWN_GPU_UTILIZATION = 0.85
@@ -48,7 +49,7 @@ def engine_python(engine: str, explicit: str = "") -> str:
     if os.path.isfile(candidate):
         return candidate
     raise ValueError("engine: vllm is not installed in this Python and there is no .venv-vllm; run "
-                     "`bash bench/setup_vllm.sh` or pass --engine-python PATH")
+                     "`bash bench/engines/setup_vllm.sh` or pass --engine-python PATH")
 
 
 def vllm_service_args(cfg, role: str, model_dir: str) -> list[str]:
@@ -78,8 +79,6 @@ def kv_cache_gib(cfg, role: str, model_dir: str) -> float:
     """GiB of CPU KV cache for 2m requests of ``max_model_len + k`` tokens, each rounded up to whole
     vLLM blocks plus one (``specdec.vllm_backend.engine.check_kv_capacity`` asks the rounded
     amount), or ``MIN_KV_GIB`` when the model's config cannot be read."""
-    from minedraft.capacity import GIB, model_footprint
-
     block = VLLM_CPU_BLOCK_TOKENS
     tokens = (-(-(cfg.max_model_len + cfg.num_speculative_tokens) // block) + 1) * block
     try:

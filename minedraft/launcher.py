@@ -1,6 +1,6 @@
 """``minedraft up``: start verifier, drafter, coordinator and gateway as local processes (torch-free).
 
-Start-up: resolve the target model dir once (``python -m specdec.loader resolve``), start every
+Start-up: resolve the target model dir once (``python -m specdec.models.loader resolve``), start every
 service on loopback with its log in ``runs/<timestamp>/<service>.log``, pin verifier and drafter
 to their own core with one torch thread each (DESIGN.md §8: the PSD overlap exists only if each
 engine owns a core), and wait until each reports SERVING on grpc.health.v1. A child that dies
@@ -50,12 +50,12 @@ class StopRequested(BaseException):
 
 
 def resolve_model_dir(model: str, timeout_s: float = 900.0) -> str:
-    """Local HF dir of ``model`` (alias, dir or GGUF) via ``python -m specdec.loader resolve``.
+    """Local HF dir of ``model`` (alias, dir or GGUF) via ``python -m specdec.models.loader resolve``.
 
     Raises:
         StackError: the loader failed.
     """
-    proc = subprocess.run([sys.executable, "-m", "specdec.loader", "resolve", model],
+    proc = subprocess.run([sys.executable, "-m", "specdec.models.loader", "resolve", model],
                           capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         raise StackError(f"cannot resolve model {model!r}: {proc.stderr.strip()}")
@@ -105,7 +105,7 @@ class Stack:
 
     def add_services(self, specs: list[ServiceSpec], log=print) -> None:
         """Start ``specs`` in this stack and wait until every service is SERVING; e.g. a coordinator
-        and gateway in front of engines another Stack runs (bench/gpu_stack.py switches modes
+        and gateway in front of engines another Stack runs (bench/gpu/gpu_stack.py switches modes
         without reloading the models). Raises StackError as ``start``."""
         self.run_dir = self.run_dir or os.path.join(self.cfg.runs_dir, time.strftime("%Y%m%d-%H%M%S"))
         os.makedirs(self.run_dir, exist_ok=True)

@@ -10,7 +10,7 @@ CPU core pinning is done (the cores only launch kernels; pinning is for the 2-co
 DESIGN.md §8), and the engine dtype defaults to bfloat16 (float32 on CPU).
 
 The drafter may share a GPU with the verifier (``--drafter-gpu 0``): that is how one standard
-SD replica per GPU is built (bench/gpu_stack.py, part b), and how PSD runs on a one-GPU host; there
+SD replica per GPU is built (bench/gpu/gpu_stack.py, part b), and how PSD runs on a one-GPU host; there
 ``--cuda-mps`` (``minedraft.cuda_mps``) lets both engines' kernels run at the same time.
 """
 from __future__ import annotations

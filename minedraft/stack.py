@@ -12,7 +12,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from minedraft.bench_only import check_acceptance_prob, fixed_acceptance_label
+from specdec.sample.bench_only import check_acceptance_prob, fixed_acceptance_label
 from minedraft.engine_backend import ENGINES, engine_python, vllm_service_args
 from minedraft.placement import NO_GPU, NO_GPUS, Placement
 from minedraft.probes import free_loopback_ports  # noqa: F401  (part of the stack API)
@@ -50,7 +50,7 @@ class StackConfig:
         max_num_seqs: m, requests per batch; the engines get ``2m`` KV slots (PSD keeps 2 batches).
         tensor_parallel_size: verifier ranks (torchrun when > 1).
         data_plane: ``inline`` (draft probs in gRPC), ``dist`` (torch.distributed: NCCL between
-            GPUs, else gloo) or ``ipc`` (same host: CUDA IPC / shared memory; specdec.dataplane_ipc).
+            GPUs, else gloo) or ``ipc`` (same host: CUDA IPC / shared memory; specdec.dataplane.ipc).
         target: target model alias or dir; draft: draft dir ("" = default, see ``resolve_draft_dir``).
         max_model_len: tokens (prompt + output) per request, same in every service.
         dtype: engine parameter / KV dtype.
@@ -67,7 +67,7 @@ class StackConfig:
         device, verifier_gpus, drafter_gpu, cuda_mps: engine placement (``minedraft.placement.Placement``;
             on cuda no core pinning, each engine sees only its GPUs).
         bench_fixed_acceptance: BENCHMARK-ONLY: the verifier accepts each draft token with this
-            probability instead of rejection sampling (``specdec.fixed_acceptance``); changes the
+            probability instead of rejection sampling (``specdec.sample.fixed_acceptance``); changes the
             output distribution. None (default) = off.
         k_policy: the coordinator's ``--k-policy`` (``fixed`` or ``adaptive``).
         balancer: the coordinator's ``--balancer`` (``paper`` or ``feedback``).
@@ -215,7 +215,7 @@ class ServiceSpec:
 def resolve_draft_dir(cfg: StackConfig, target_dir: str, cache_root: str | None = None) -> str:
     """The draft dir: ``cfg.draft``; else ``drafts/smollm2-135m-instruct`` (distilled) when it
     exists; else an untrained draft of the target's first layers, written once to the cache
-    (``$MINEDRAFT_CACHE/drafts``) by ``specdec.draft_format.make_truncated_draft`` in a child
+    (``$MINEDRAFT_CACHE/drafts``) by ``specdec.models.draft_format.make_truncated_draft`` in a child
     process (this module stays torch-free).
 
     Raises:
@@ -230,7 +230,7 @@ def resolve_draft_dir(cfg: StackConfig, target_dir: str, cache_root: str | None 
     layers = list(DEFAULT_TRUNCATED_LAYERS)
     out_dir = os.path.join(root, "drafts", f"truncated-{key}-{'-'.join(map(str, layers))}")
     if not os.path.isfile(os.path.join(out_dir, "minedraft_draft.json")):
-        code = ("import sys; from specdec.draft_format import make_truncated_draft; "
+        code = ("import sys; from specdec.models.draft_format import make_truncated_draft; "
                 "make_truncated_draft(sys.argv[1], [int(x) for x in sys.argv[2].split(',')], sys.argv[3])")
         proc = subprocess.run([sys.executable, "-c", code, target_dir, ",".join(map(str, layers)), out_dir],
                               capture_output=True, text=True)

@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_tiny_models(work_dir: str) -> tuple[str, str]:
     """(target_dir, draft_dir): random Llamas (2 and 1 layers) with the SmolLM2 tokenizer."""
-    from specdec.loader import packaged_gguf_path
+    from specdec.models.gguf import packaged_gguf_path
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 

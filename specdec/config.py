@@ -30,7 +30,7 @@ class ModelConfig:
         num_threads: if set, ``torch.set_num_threads(num_threads)`` when the runner starts.
         cuda_graphs: replay CUDA graphs captured per (batch-size bucket, tokens per row, KV-length
             bucket) for steps of at most ``max_static_tokens`` tokens per row
-            (``specdec.cuda_graphs``). None: on iff ``device`` is CUDA. True needs a CUDA device.
+            (``specdec.engine.cuda_graphs``). None: on iff ``device`` is CUDA. True needs a CUDA device.
         static_shapes: run those steps through the static-shape path (buckets, device-side
             mask and KV writes) even without graphs: the CPU twin of the graph path. None: same
             as the resolved ``cuda_graphs``. Must not be False while graphs are on.

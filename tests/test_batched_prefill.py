@@ -8,10 +8,10 @@ import torch
 
 from specdec.config import CUDA_MAX_PREFILL_TOKENS, CacheConfig, ModelConfig
 from specdec.errors import CapacityError
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
-from specdec.worker import DraftWorker, TargetWorker
-from specdec.worker_base import prefill_groups
+from specdec.engine.runner import ModelRunner
+from specdec.sample.sampling import SamplingParams
+from specdec.engine.worker import DraftWorker, TargetWorker
+from specdec.engine.worker_base import prefill_groups
 
 torch.set_num_threads(1)
 

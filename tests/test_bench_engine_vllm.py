@@ -1,4 +1,4 @@
-"""bench/engine_vllm.py: ours end to end on a tiny model (--skip-vllm), and vLLM's decode arithmetic."""
+"""bench/engines/engine_vllm.py: ours end to end on a tiny model (--skip-vllm), and vLLM's decode arithmetic."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from bench import engine_vllm
+from bench.engines import engine_vllm
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +17,7 @@ def tiny_model_dir(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from conftest import _build_tiny_llama
-    from specdec.loader import packaged_gguf_path
+    from specdec.models.gguf import packaged_gguf_path
 
     path = str(tmp_path_factory.mktemp("tiny"))
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(packaged_gguf_path()),

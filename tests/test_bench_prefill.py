@@ -1,11 +1,11 @@
-"""bench/prefill.py on a tiny random model (CPU twin of the GPU admission benchmark)."""
+"""bench/cpu/prefill.py on a tiny random model (CPU twin of the GPU admission benchmark)."""
 
 from __future__ import annotations
 
 import json
 
-from bench import prefill
-from specdec import slot_attention
+from bench.cpu import prefill
+from specdec.kv import slot_attention
 
 
 def test_prefill_bench_times_both_variants_and_labels_random_weights(tmp_path):

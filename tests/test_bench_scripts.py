@@ -1,4 +1,4 @@
-"""Bench scripts documented as ``python bench/<name>.py`` start from any working directory
+"""Bench scripts documented as ``python bench/<group>/<name>.py`` start from any working directory
 (they put the repository root on ``sys.path`` themselves; ``bench`` is not an installed package)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ("draft_acceptance.py", "draft_generalization.py", "gpu_step.py", "prefill.py")
+SCRIPTS = ("draft/draft_acceptance.py", "draft/draft_generalization.py", "gpu/gpu_step.py", "cpu/prefill.py")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

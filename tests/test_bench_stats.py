@@ -6,12 +6,12 @@ import math
 
 import pytest
 
-from bench.loadgen import RequestResult, load_spec_bench
-from bench.report import compute_ratios, greedy_check, markdown, plot
-from bench.stats import SpecCounts, mean_acceptance_length, percentile, ratio, spec_counts_from_usage, step_split, \
+from bench.common.loadgen import RequestResult, load_spec_bench
+from bench.common.report import compute_ratios, greedy_check, markdown, plot
+from bench.common.stats import SpecCounts, mean_acceptance_length, percentile, ratio, spec_counts_from_usage, step_split, \
     summarize, summarize_by_task
-from bench.suite import SuiteConfig, plan
-from bench.systems import SYSTEMS, vllm_spec_counters
+from bench.common.suite import SuiteConfig, plan
+from bench.common.systems import SYSTEMS, vllm_spec_counters
 
 
 def _result(pid="1", task="qa", tokens=10, ttft=5.0, latency=50.0, spec=None, error=""):
@@ -157,8 +157,8 @@ def test_export_draft_is_a_standalone_hf_model_equal_to_our_draft(tiny_llama_dir
     import torch
     from transformers import LlamaForCausalLM
 
-    from bench.export_hf import EXPORT_META_FILE, export_draft, export_target
-    from specdec.draft_format import load_draft, make_truncated_draft
+    from bench.engines.export_hf import EXPORT_META_FILE, export_draft, export_target
+    from specdec.models.draft_format import load_draft, make_truncated_draft
 
     target = tiny_llama_dir(tmp_path / "target", num_layers=3)
     make_truncated_draft(target, [0, 2], str(tmp_path / "draft"))

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from bench.suite import SuiteConfig, run_suite
+from bench.common.suite import SuiteConfig, run_suite
 from test_e2e_stack import model_dirs  # noqa: F401  (module fixture: tiny target + draft with the SmolLM2 tokenizer)
 
 PROMPTS = [("1", "writing", "Write a haiku about the sea."), ("2", "translation", "Translate to French: good morning"),

@@ -1,4 +1,4 @@
-"""Start-up memory check (minedraft.capacity): footprints equal the allocated sizes; too big fails at start."""
+"""Start-up memory check (specdec.models.footprint): footprints equal the allocated sizes; too big fails at start."""
 from __future__ import annotations
 
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from minedraft.capacity import Footprint, InsufficientMemoryError, check_fits, model_footprint
+from specdec.models.footprint import Footprint, InsufficientMemoryError, check_fits, model_footprint
 
 MAX_NUM_SEQS, MAX_MODEL_LEN = 3, 64
 
@@ -23,7 +23,7 @@ def model_dir(tmp_path_factory):
 
 def test_footprint_equals_what_the_runner_allocates(model_dir):
     from specdec.config import CacheConfig, ModelConfig
-    from specdec.runner import ModelRunner
+    from specdec.engine.runner import ModelRunner
 
     torch.set_num_threads(1)
     runner = ModelRunner(ModelConfig(model=model_dir), CacheConfig(max_num_seqs=MAX_NUM_SEQS,

@@ -8,12 +8,12 @@ import torch
 from torch.nn import functional as F
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from bench.cpu_step_identity import compare
-from bench.suite import SuiteConfig, parse_args
-from bench.systems import AUTO_DTYPE, SYSTEMS, VllmSystem, resolve_bench_dtype
+from bench.cpu.cpu_step_identity import compare
+from bench.common.suite import SuiteConfig, parse_args
+from bench.common.systems import AUTO_DTYPE, SYSTEMS, VllmSystem, resolve_bench_dtype
 from specdec.config import CacheConfig, ModelConfig
-from specdec.kv_cache import _grouped_attention
-from specdec.runner import ModelRunner
+from specdec.kv.kv_cache import _grouped_attention
+from specdec.engine.runner import ModelRunner
 
 DATA = "/work/shared/data/spec_bench/question.jsonl"
 

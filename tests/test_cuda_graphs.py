@@ -1,4 +1,4 @@
-"""Static-shape step path (specdec.cuda_graphs): the CPU twin of the CUDA-graph path.
+"""Static-shape step path (specdec.engine.cuda_graphs): the CPU twin of the CUDA-graph path.
 
 The same static function that is captured in CUDA graphs on a GPU runs eagerly here and is
 checked against the dynamic path in float64: ragged rows, batch-padding rows, non-consecutive
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from specdec.config import CacheConfig, ModelConfig
-from specdec.cuda_graphs import MIN_KV_BUCKET, StaticStepper, batch_buckets, kv_buckets
-from specdec.random_models import build_random_model
-from specdec.runner import ModelRunner
+from specdec.engine.cuda_graphs import MIN_KV_BUCKET, StaticStepper, batch_buckets, kv_buckets
+from specdec.models.random_models import build_random_model
+from specdec.engine.runner import ModelRunner
 
 CACHE = CacheConfig(max_num_seqs=6, max_model_len=160)
 STATIC = ModelConfig(dtype="float64", static_shapes=True)

@@ -1,4 +1,4 @@
-"""Warm-up precapture of every static shape (specdec.cuda_graphs.StaticStepper.precapture).
+"""Warm-up precapture of every static shape (specdec.engine.cuda_graphs.StaticStepper.precapture).
 
 On the CPU twin precapture enumerates the same (batch bucket, tokens per row, KV bucket) shapes
 that the CUDA path captures; a full static/dynamic drive must then use only precaptured shapes,
@@ -12,8 +12,8 @@ import torch
 from test_cuda_graphs import CACHE, DYNAMIC, STATIC, _drive
 
 from specdec.config import ModelConfig
-from specdec.cuda_graphs import batch_buckets, kv_buckets
-from specdec.runner import ModelRunner
+from specdec.engine.cuda_graphs import batch_buckets, kv_buckets
+from specdec.engine.runner import ModelRunner
 
 
 def _static_runner(tiny_llama, run_eager: bool):

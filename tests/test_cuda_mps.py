@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import pytest
 
-from bench.load_sweep_cli import parse_args as parse_sweep_args
+from bench.load.load_sweep_cli import parse_args as parse_sweep_args
 from minedraft import cuda_mps
 from minedraft.banner import banner_lines
 from minedraft.cli import build_parser, stack_config

@@ -1,4 +1,4 @@
-"""Tensor wire format (specdec.tensor_proto) and the draft-probs data plane (specdec.dataplane)."""
+"""Tensor wire format (engine_svc.tensor_proto) and the draft-probs data plane (specdec.dataplane.dist)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minedraft.v1 import common_pb2
-from specdec.tensor_proto import (
+from engine_svc.tensor_proto import (
     SUPPORTED_DTYPES,
     TensorDecodeError,
     is_empty_proto,
@@ -90,11 +90,11 @@ def test_empty_proto_detection():
     assert not is_empty_proto(tensor_to_proto(torch.zeros(0, 4)))
 
 
-# --- dist data plane (specdec.dataplane): both ranks in this process, one per thread ---
+# --- dist data plane (specdec.dataplane.dist): both ranks in this process, one per thread ---
 
 import socket  # noqa: E402
 
-from specdec.dataplane import (  # noqa: E402
+from specdec.dataplane.dist import (  # noqa: E402
     DistPlaneConfig,
     DraftProbsClient,
     DraftProbsMissingError,

@@ -1,6 +1,6 @@
-"""Same-host IPC data plane (specdec.dataplane_ipc, specdec.dataplane_shm) on its CPU twin
+"""Same-host IPC data plane (specdec.dataplane.ipc, specdec.dataplane.shm) on its CPU twin
 (/dev/shm files: the code path of CUDA IPC minus the handle export), and the dist plane's
-backend choice (specdec.dataplane_nccl: NCCL only when both ends are CUDA)."""
+backend choice (specdec.dataplane.nccl: NCCL only when both ends are CUDA)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from specdec import dataplane_nccl, dataplane_shm
-from specdec.dataplane import DataPlaneUnavailableError, DraftProbsMissingError
-from specdec.dataplane_ipc import IpcPlaneConfig, IpcProbsClient, IpcProbsServer
+from specdec.dataplane import nccl as dataplane_nccl
+from specdec.dataplane import shm as dataplane_shm
+from specdec.dataplane.dist import DataPlaneUnavailableError, DraftProbsMissingError
+from specdec.dataplane.ipc import IpcPlaneConfig, IpcProbsClient, IpcProbsServer
 
 
 @pytest.fixture

@@ -12,10 +12,10 @@ from conftest import _build_tiny_llama
 from drafter_svc.servicer import DrafterServicer
 from minedraft.v1 import common_pb2, engine_pb2
 from specdec.config import CacheConfig, ModelConfig
-from specdec.dataplane_ipc import IpcPlaneConfig, IpcProbsClient, IpcProbsServer
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
-from specdec.worker import DraftWorker, TargetWorker
+from specdec.dataplane.ipc import IpcPlaneConfig, IpcProbsClient, IpcProbsServer
+from specdec.engine.runner import ModelRunner
+from specdec.sample.sampling import SamplingParams
+from specdec.engine.worker import DraftWorker, TargetWorker
 from verifier_svc.engine import VerifierEngine
 
 K, NUM_STEPS = 3, 4

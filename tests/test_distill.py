@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from specdec import distill
-from specdec import draft_format as fmt
+from distill import run as distill
+from specdec.models import draft_format as fmt
 
 NUM_TARGET_LAYERS = 4
 EOS = 2

@@ -1,4 +1,4 @@
-"""Distillation task stage (specdec.distill_tasks): task prompts answered by a target, warm start."""
+"""Distillation task stage (distill.tasks): task prompts answered by a target, warm start."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from specdec import distill, distill_tasks
-from specdec import draft_format as fmt
+from distill import run as distill
+from distill import tasks as distill_tasks
+from specdec.models import draft_format as fmt
 from specdec.errors import IncompatibleDraftError
 
 CORPUS = {"german": [{"de": f"Die Datei Nummer {i} konnte leider nicht gelesen werden.", "package": "x"} for i in range(20)],

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaForCausalLM
 
-from specdec import draft_format as fmt
+from specdec.models import draft_format as fmt
 from specdec.config import ModelConfig
 from specdec.errors import IncompatibleDraftError
 
@@ -104,7 +104,7 @@ def test_load_draft_respects_model_config_dtype(draft_dir):
 
 
 def test_engine_loader_delegates_to_draft_format(draft_dir):
-    from specdec.loader import load_model
+    from specdec.models.loader import load_model
 
     model = load_model(ModelConfig(model=draft_dir))
     assert model.config.num_hidden_layers == 2

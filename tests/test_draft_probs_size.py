@@ -37,7 +37,7 @@ def test_out_of_band_planes_and_token_id_drafters_are_not_sized():
 
 
 def test_engines_report_whether_their_drafts_carry_probabilities():
-    from drafter_svc.engine_service import engine_info
+    from engine_svc.service import engine_info
 
     facts = EngineFacts(VOCAB, VOCAB, 4, 256, 4, (2,), "cpu", "float32", 0, 0)
     assert not engine_info(facts, "m", []).sends_draft_probs
@@ -46,8 +46,8 @@ def test_engines_report_whether_their_drafts_carry_probabilities():
 
 def test_the_native_draft_worker_says_it_sends_probabilities(tiny_llama):
     from specdec.config import CacheConfig, ModelConfig
-    from specdec.runner import ModelRunner
-    from specdec.worker import DraftWorker, TargetWorker
+    from specdec.engine.runner import ModelRunner
+    from specdec.engine.worker import DraftWorker, TargetWorker
 
     cache = CacheConfig(max_num_seqs=2, max_model_len=64)
     assert DraftWorker(ModelRunner(ModelConfig(), cache, model=tiny_llama())).facts().sends_draft_probs

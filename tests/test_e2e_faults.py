@@ -35,7 +35,7 @@ PROMPT_IDS = [[1, 500, 600, 700], [1, 42, 43], [1, 9000, 12, 13, 14], [1, 77]]
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """A psd stack (k = 3, m = 2) whose draft is the target itself: every greedy draft is accepted."""
-    from specdec.loader import packaged_gguf_path
+    from specdec.models.gguf import packaged_gguf_path
     from transformers import AutoTokenizer
 
     from conftest import _build_tiny_llama

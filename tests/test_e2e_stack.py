@@ -35,7 +35,7 @@ PROMPTS = ["Tell me a story.", "What is 2+2?", "Name three colors.", "Hi", "Expl
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     """(target_dir, draft_dir): tiny random Llamas + the SmolLM2 tokenizer in each."""
-    from specdec.loader import packaged_gguf_path
+    from specdec.models.gguf import packaged_gguf_path
     from transformers import AutoTokenizer
 
     from conftest import _build_tiny_llama

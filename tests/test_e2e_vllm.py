@@ -6,7 +6,7 @@ random Llamas of head_dim 64 (vLLM's CPU attention needs >= 32), vocab 49152, wi
 tokenizer; the draft is the target with a little noise on its weights, so drafts are partly
 accepted. Two stack starts: ``ar`` (a plain vLLM decoding verifier, the reference) and ``psd``;
 ``sd`` is a coordinator and gateway in front of the psd stack's engines (the engines are
-mode-agnostic, as ``bench/gpu_stack.py`` uses them). Checked: greedy psd and sd outputs equal
+mode-agnostic, as ``bench/gpu/gpu_stack.py`` uses them). Checked: greedy psd and sd outputs equal
 ar's with more than 2m concurrent requests of different lengths; an abort mid-stream frees the
 slots of both engines; a stop token id inside an accepted block; seeded sampled requests repeat
 whatever shares the batch; the drafter killed mid-run falls back to ar and every stream completes
@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from bench.gpu_stack import start_front
+from bench.gpu.gpu_stack import start_front
 from minedraft.client import GenerationError, GenerationResult, MineDraftClient, build_request
 from minedraft.engine_backend import engine_python
 from minedraft.launcher import Stack
@@ -41,7 +41,7 @@ def model_dirs(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from conftest import _build_tiny_llama
-    from specdec.loader import packaged_gguf_path
+    from specdec.models.gguf import packaged_gguf_path
 
     assert os.path.isfile(engine_python("vllm"))  # ValueError (a failure, not a skip) without .venv-vllm
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(packaged_gguf_path()),

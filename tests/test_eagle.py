@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from bench.eagle_acceptance import walk
-from specdec import distill
-from specdec import draft_format as fmt
-from specdec.eagle import EagleHead, target_features, unrolled_logits
-from specdec.eagle_train import (EagleTrainConfig, build_head, chain_loss, load_head, load_pairs, save_head,
+from bench.draft.eagle_acceptance import walk
+from distill import run as distill
+from specdec.models import draft_format as fmt
+from distill.eagle import EagleHead, target_features, unrolled_logits
+from distill.eagle_train import (EagleTrainConfig, build_head, chain_loss, load_head, load_pairs, save_head,
                                  save_pairs, train)
 from specdec.errors import IncompatibleDraftError
 

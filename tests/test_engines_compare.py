@@ -1,4 +1,4 @@
-"""bench.engines_compare: system names, vLLM server command lines, ratios, greedy checks, the
+"""bench.engines.engines_compare: system names, vLLM server command lines, ratios, greedy checks, the
 Markdown table (hand-built records), and one tiny run of vLLM's own server against psd on vLLM.
 
 The tiny run starts ``vllm-ar`` (vLLM's OpenAI server from ``.venv-vllm``) and ``psd-vllm`` (our
@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from bench.compare_systems import SystemName, parse_system, synthetic_rates, vllm_server_argv
-from bench.engines_compare import CompareConfig
-from bench.report_compare import greedy_vs_reference, markdown, ratios_by_concurrency
+from bench.engines.compare_systems import SystemName, parse_system, synthetic_rates, vllm_server_argv
+from bench.engines.engines_compare import CompareConfig
+from bench.engines.report_compare import greedy_vs_reference, markdown, ratios_by_concurrency
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
@@ -131,7 +131,7 @@ def test_greedy_comparison_counts_equal_outputs_on_common_prompts_at_the_same_co
 def _results(failures=()) -> dict:
     records = [r for r in RECORDS if r["concurrency"] == 1]
     return {"meta": {"date_utc": "2026-01-01T00:00:00+00:00", "machine": "cpu x2", "git_commit": "0123456789abcdef",
-                     "command": "python -m bench.engines_compare --x"},
+                     "command": "python -m bench.engines.engines_compare --x"},
             "runs": records + [{"system": "sd-vllm", "concurrency": 4, "skipped": "time budget"}],
             "ratios": ratios_by_concurrency(records),
             "greedy_vs_vllm_ar": [{"system": "psd-vllm", "concurrency": 1, "num_equal": 3, "num_compared": 4}],
@@ -164,7 +164,7 @@ def tiny_dirs(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from conftest import _build_tiny_llama
-    from specdec.loader import packaged_gguf_path
+    from specdec.models.gguf import packaged_gguf_path
 
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(packaged_gguf_path()),
                                               gguf_file=os.path.basename(packaged_gguf_path()))
@@ -188,7 +188,7 @@ def test_tiny_cpu_run_of_vllm_ar_and_psd_vllm_writes_both_and_equal_greedy_outpu
             "--draft", tiny_dirs[1], "--systems", "vllm-ar,psd-vllm", "--concurrencies", "1", "--max-tokens", "8",
             "--m", "1", "--k", "2", "--max-model-len", "256", "--num-warmup", "1", "--enforce-eager",
             "--requests-per-client", "1", "--min-requests", "1", "--data", str(data)]
-    proc = subprocess.run([sys.executable, "-m", "bench.engines_compare", *argv], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "bench.engines.engines_compare", *argv], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())

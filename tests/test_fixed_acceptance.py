@@ -1,4 +1,4 @@
-"""BENCHMARK-ONLY fixed acceptance (specdec.fixed_acceptance): measured acceptance converges to P,
+"""BENCHMARK-ONLY fixed acceptance (specdec.sample.fixed_acceptance): measured acceptance converges to P,
 off by default, flag validation and labels."""
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from minedraft.bench_only import check_acceptance_prob, expected_mean_acceptance_length, fixed_acceptance_label
+from specdec.sample.bench_only import check_acceptance_prob, expected_mean_acceptance_length, fixed_acceptance_label
 from minedraft.stack import StackConfig, build_service_specs
 from specdec.config import CacheConfig, ModelConfig
-from specdec.fixed_acceptance import FixedAcceptance, fixed_acceptance_sample
-from specdec.rejection import PLACEHOLDER_TOKEN_ID
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams, make_generator
-from specdec.worker import TargetWorker
+from specdec.sample.fixed_acceptance import FixedAcceptance, fixed_acceptance_sample
+from specdec.sample.rejection import PLACEHOLDER_TOKEN_ID
+from specdec.engine.runner import ModelRunner
+from specdec.sample.sampling import SamplingParams, make_generator
+from specdec.engine.worker import TargetWorker
 from verifier_svc.__main__ import _served_name, parse_args
 
 torch.set_num_threads(1)

@@ -1,11 +1,11 @@
-"""bench/gpu_stack.py's CPU-side logic: replica placement, prompt split, report (ratios,
+"""bench/gpu/gpu_stack.py's CPU-side logic: replica placement, prompt split, report (ratios,
 greedy output checks, BENCHMARK-ONLY labels). The GPU runs themselves need the lent machine."""
 from __future__ import annotations
 
 import json
 
-from bench.gpu_stack import _replica_configs, engine_config, parse_args, split_prompts
-from bench.gpu_stack_report import Report, RunResult, merge_runs
+from bench.gpu.gpu_stack import _replica_configs, engine_config, parse_args, split_prompts
+from bench.gpu.gpu_stack_report import Report, RunResult, merge_runs
 from minedraft.client import GenerationResult
 from minedraft.placement import CUDA_ENV
 from minedraft.prompts import summarize
@@ -71,7 +71,7 @@ def test_report_ratios_equality_and_labels(tmp_path):
 
 
 def test_summarize_step_log(tmp_path):
-    from bench.gpu_stack_report import summarize_step_log
+    from bench.gpu.gpu_stack_report import summarize_step_log
 
     path = tmp_path / "steps.jsonl"
     path.write_text("".join(json.dumps({"wall_ms": w, "draft_ms": d, "verify_ms": v, "data_plane_ms": 0.5,

@@ -14,10 +14,10 @@ import pytest
 import torch
 from test_cuda_graphs import CACHE, DYNAMIC, TOL, _same_cache, _same_step
 
-from specdec import static_forward as static_forward_module
+from specdec.engine import static_forward as static_forward_module
 from specdec.config import CUDA_GRAPH_PREFILL_TOKENS, CacheConfig, ModelConfig
-from specdec.runner import ModelRunner, _graph_prefill_tokens
-from specdec.shape_buckets import prefill_buckets
+from specdec.engine.runner import ModelRunner, _graph_prefill_tokens
+from specdec.engine.shape_buckets import prefill_buckets
 
 PREFILL = ModelConfig(dtype="float64", static_shapes=True, max_graph_prefill_tokens=64)
 
@@ -160,8 +160,8 @@ def test_a_burst_gets_the_same_kv_as_prompts_admitted_alone(tiny_llama, monkeypa
     """Every prompt takes its own graph forward, so a prompt's KV (and first token) is the same
     whether it was admitted with others or alone."""
     _cuda_budget(monkeypatch)
-    from specdec.sampling import SamplingParams
-    from specdec.worker import TargetWorker
+    from specdec.sample.sampling import SamplingParams
+    from specdec.engine.worker import TargetWorker
 
     prompts = [[3 + (7 * i + j) % 120 for j in range(n)] for i, n in enumerate((20, 45, 12, 33))]
     greedy = SamplingParams(temperature=0.0)

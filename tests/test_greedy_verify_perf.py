@@ -1,4 +1,4 @@
-"""``specdec.worker.greedy_verify`` (the all-greedy fast path of TargetWorker.verify, issue 8)
+"""``specdec.engine.worker.greedy_verify`` (the all-greedy fast path of TargetWorker.verify, issue 8)
 must commit exactly the tokens of the full rejection sampler on one-hot target probabilities."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.rejection import rejection_sample
-from specdec.sampling import SamplingParams, logits_to_probs
-from specdec.worker import greedy_verify
+from specdec.sample.rejection import rejection_sample
+from specdec.sample.sampling import SamplingParams, logits_to_probs
+from specdec.engine.worker import greedy_verify
 
 VOCAB = 50
 

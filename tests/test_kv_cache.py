@@ -7,8 +7,8 @@ import torch
 
 from specdec.config import CacheConfig, ModelConfig
 from specdec.errors import CapacityError
-from specdec.kv_cache import SLOT_ATTENTION_NAME
-from specdec.runner import ModelRunner
+from specdec.kv.kv_cache import SLOT_ATTENTION_NAME
+from specdec.engine.runner import ModelRunner
 
 TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -244,7 +244,7 @@ def test_dynamic_attention_on_cuda_leaves_out_cudnn_sdpa():
     H200), so the dynamic-shape path on CUDA must not allow it; CPU calls are left alone."""
     from types import SimpleNamespace
 
-    from specdec.slot_attention import _dynamic_backends
+    from specdec.kv.slot_attention import _dynamic_backends
 
     assert torch.backends.cuda.cudnn_sdp_enabled()
     with _dynamic_backends(SimpleNamespace(is_cuda=True)):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from specdec.config import CacheConfig, ModelConfig
-from specdec.kv_cache import SlotKVCache
-from specdec.runner import ModelRunner
+from specdec.kv.kv_cache import SlotKVCache
+from specdec.engine.runner import ModelRunner
 
 MAX_MODEL_LEN = 64
 F64 = torch.float64  # logits dtype: the float64 model's full precision

@@ -1,4 +1,4 @@
-"""bench/load_sweep.py end to end on tiny models (its CPU twin, real processes), the bursty trace,
+"""bench/load/load_sweep.py end to end on tiny models (its CPU twin, real processes), the bursty trace,
 configuration names and the report's analysis."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from bench.load_sweep import main
-from bench.load_sweep_cli import parse_args, parse_config
-from bench.load_sweep_report import SweepReport, compare_tokens
-from bench.loadgen import BurstConfig, bursty_arrivals
+from bench.load.load_sweep import main
+from bench.load.load_sweep_cli import parse_args, parse_config
+from bench.load.load_sweep_report import SweepReport, compare_tokens
+from bench.common.loadgen import BurstConfig, bursty_arrivals
 from minedraft.client import GenerationResult
 from minedraft.v1 import common_pb2
 from test_e2e_stack import model_dirs  # noqa: F401  (module fixture: tiny target + draft with the SmolLM2 tokenizer)
@@ -131,7 +131,7 @@ def test_report_rounds_median_and_paired_ratios(tmp_path):
 
 
 def test_rounds_schedule_interleaves_configurations(tmp_path):
-    from bench.load_sweep import schedule
+    from bench.load.load_sweep import schedule
     base = ["--out-dir", str(tmp_path), "--logs-dir", "L", "--configs", "ar-m2,sd-k2-m2"]
     assert [(c.name, d) for c, d in schedule(parse_args(base))] == [("ar-m2", "L/ar-m2"), ("sd-k2-m2", "L/sd-k2-m2")]
     plan = [(c.name, d) for c, d in schedule(parse_args(base + ["--rounds", "2"]))]
@@ -145,7 +145,7 @@ def test_rounds_schedule_interleaves_configurations(tmp_path):
 
 
 def test_front_passes_the_configuration_budget_to_its_coordinator(tmp_path):
-    from bench.load_sweep import Front, engine_config
+    from bench.load.load_sweep import Front, engine_config
     from coordinator.__main__ import parse_args as coordinator_args
     from minedraft.stack import coordinator_spec
 
@@ -158,7 +158,7 @@ def test_front_passes_the_configuration_budget_to_its_coordinator(tmp_path):
 
 
 def test_engines_get_the_sweeps_prefill_settings(tmp_path):
-    from bench.load_sweep import engine_config
+    from bench.load.load_sweep import engine_config
     from minedraft.stack import verifier_spec
     from verifier_svc.__main__ import parse_args as verifier_args
 

@@ -11,10 +11,12 @@ import types
 import pytest
 import torch
 
-from specdec import loader
+from specdec.models import cache, loader
+from specdec.models import gguf as gguf_dirs
 from specdec.config import CacheConfig, ModelConfig
 from specdec.errors import IncompatibleDraftError
-from specdec.kv_cache import SLOT_ATTENTION_NAME
+from specdec.kv.kv_cache import SLOT_ATTENTION_NAME
+from specdec.models.resolve import resolve_model_dir
 
 
 def save_word_level_tokenizer(path, vocab: dict[str, int]) -> str:
@@ -38,7 +40,7 @@ BASE_VOCAB = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4, "draft": 
 def test_resolve_and_load_local_hf_dir_round_trips(tiny_llama, tiny_llama_dir, tmp_path):
     model_dir = tiny_llama_dir(tmp_path / "tiny", seed=3)
     cfg = ModelConfig(model=model_dir, dtype="float64")
-    assert loader.resolve_model_dir(cfg) == os.path.abspath(model_dir)
+    assert resolve_model_dir(cfg) == os.path.abspath(model_dir)
     model = loader.load_model(cfg)
     assert not model.training and model.dtype == torch.float64
     assert model.config._attn_implementation == SLOT_ATTENTION_NAME
@@ -50,11 +52,11 @@ def test_resolve_and_load_local_hf_dir_round_trips(tiny_llama, tiny_llama_dir, t
 
 def test_resolve_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="not an alias"):
-        loader.resolve_model_dir(ModelConfig(model=str(tmp_path / "missing")))
+        resolve_model_dir(ModelConfig(model=str(tmp_path / "missing")))
     with pytest.raises(FileNotFoundError, match="config.json"):
-        loader.resolve_model_dir(ModelConfig(model=str(tmp_path)))
+        resolve_model_dir(ModelConfig(model=str(tmp_path)))
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
-        loader.resolve_model_dir(ModelConfig(model=str(tmp_path), gguf_file="x.gguf"))
+        resolve_model_dir(ModelConfig(model=str(tmp_path), gguf_file="x.gguf"))
 
 
 def fake_gguf(tmp_path, monkeypatch):
@@ -62,22 +64,22 @@ def fake_gguf(tmp_path, monkeypatch):
     gguf = tmp_path / "src" / "fake-model.gguf"
     gguf.parent.mkdir()
     gguf.write_bytes(b"GGUF-test")
-    monkeypatch.setenv(loader.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
     calls = []
 
     def convert(gguf_path, out_dir):
         calls.append((gguf_path, out_dir))
-        with open(os.path.join(out_dir, loader.HF_CONFIG_FILE), "w") as f:
+        with open(os.path.join(out_dir, gguf_dirs.HF_CONFIG_FILE), "w") as f:
             f.write("{}")
 
-    monkeypatch.setattr(loader, "_convert_gguf", convert)
+    monkeypatch.setattr(gguf_dirs, "_convert_gguf", convert)
     return str(gguf), calls
 
 
 def test_gguf_is_converted_once_into_the_cache(tmp_path, monkeypatch):
     gguf, calls = fake_gguf(tmp_path, monkeypatch)
-    first = loader.resolve_model_dir(ModelConfig(model=gguf))
-    second = loader.resolve_model_dir(ModelConfig(model=str(tmp_path / "src"), gguf_file="fake-model.gguf"))
+    first = resolve_model_dir(ModelConfig(model=gguf))
+    second = resolve_model_dir(ModelConfig(model=str(tmp_path / "src"), gguf_file="fake-model.gguf"))
     assert first == second and len(calls) == 1
     assert first.startswith(str(tmp_path / "cache" / "models" / "fake-model-"))
     assert os.listdir(os.path.dirname(first)) == [os.path.basename(first)]  # temp dir gone
@@ -85,32 +87,32 @@ def test_gguf_is_converted_once_into_the_cache(tmp_path, monkeypatch):
 
 def test_gguf_conversion_race_uses_the_winners_dir(tmp_path, monkeypatch):
     gguf, _ = fake_gguf(tmp_path, monkeypatch)
-    final = loader.resolve_model_dir(ModelConfig(model=gguf))  # learn the cache dir name
+    final = resolve_model_dir(ModelConfig(model=gguf))  # learn the cache dir name
     shutil.rmtree(final)
 
     def convert_but_lose_the_race(gguf_path, out_dir):
         os.makedirs(final)  # another process renames its finished dir into place first
-        with open(os.path.join(final, loader.HF_CONFIG_FILE), "w") as f:
+        with open(os.path.join(final, gguf_dirs.HF_CONFIG_FILE), "w") as f:
             f.write('{"winner": true}')
-        with open(os.path.join(out_dir, loader.HF_CONFIG_FILE), "w") as f:
+        with open(os.path.join(out_dir, gguf_dirs.HF_CONFIG_FILE), "w") as f:
             f.write("{}")
 
-    monkeypatch.setattr(loader, "_convert_gguf", convert_but_lose_the_race)
-    assert loader.resolve_model_dir(ModelConfig(model=gguf)) == final
-    with open(os.path.join(final, loader.HF_CONFIG_FILE)) as f:
+    monkeypatch.setattr(gguf_dirs, "_convert_gguf", convert_but_lose_the_race)
+    assert resolve_model_dir(ModelConfig(model=gguf)) == final
+    with open(os.path.join(final, gguf_dirs.HF_CONFIG_FILE)) as f:
         assert "winner" in f.read()
     assert os.listdir(os.path.dirname(final)) == [os.path.basename(final)]  # loser's temp removed
 
 
 def test_load_model_delegates_draft_format(tiny_llama, tmp_path, monkeypatch):
-    (tmp_path / loader.DRAFT_FORMAT_MARKER).write_text("{}")
+    (tmp_path / gguf_dirs.DRAFT_FORMAT_MARKER).write_text("{}")
     seen = []
 
     def load_draft(model_dir, cfg):
         seen.append((model_dir, cfg))
         return tiny_llama()
 
-    monkeypatch.setitem(sys.modules, "specdec.draft_format", types.SimpleNamespace(load_draft=load_draft))
+    monkeypatch.setitem(sys.modules, "specdec.models.draft_format", types.SimpleNamespace(load_draft=load_draft))
     cfg = ModelConfig(model=str(tmp_path))
     model = loader.load_model(cfg)
     assert seen == [(str(tmp_path), cfg)]
@@ -143,10 +145,10 @@ def test_cli_resolve_prints_the_dir(tiny_llama_dir, tmp_path, capsys):
 def test_real_smollm2_alias_conversion_and_slot_cache_decoding(smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdec.runner import ModelRunner
+    from specdec.engine.runner import ModelRunner
 
     started = time.perf_counter()
-    assert loader.resolve_model_dir(ModelConfig()) == smollm2_dir
+    assert resolve_model_dir(ModelConfig()) == smollm2_dir
     assert time.perf_counter() - started < 5.0  # cached: no second conversion
     assert os.path.isfile(os.path.join(smollm2_dir, "model.safetensors"))
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)

@@ -19,9 +19,9 @@ from coordinator_harness import Harness, _expected, _workload
 from minedraft.v1 import coordinator_pb2, engine_pb2
 from specdec.config import CacheConfig, ModelConfig
 from specdec.errors import CapacityError
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
-from specdec.worker import TargetWorker
+from specdec.engine.runner import ModelRunner
+from specdec.sample.sampling import SamplingParams
+from specdec.engine.worker import TargetWorker
 from verifier_svc.engine import MAX_DECODE_STEPS, VerifierEngine
 
 PROMPTS = {"a": [5, 9, 17, 3], "b": [7, 7, 1, 30, 11, 2, 8], "c": [4]}

@@ -1,5 +1,5 @@
 """Presence / frequency / repetition penalties (issue 25, features): the definitions
-(``specdec.penalties`` against a per-token reference), validation, exactness under speculation
+(``specdec.sample.penalties`` against a per-token reference), validation, exactness under speculation
 (greedy sd = psd = ar; the sampled law of the first two tokens equals the penalised target's),
 seeds, and rows without penalties untouched bit for bit.
 """
@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from specdec.penalties import apply_penalties
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.sample.penalties import apply_penalties
+from specdec.sample.sampling import SamplingParams, logits_to_probs
 
 from test_reference_loops import PROMPTS, _run, _tv
 

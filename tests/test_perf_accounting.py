@@ -1,11 +1,11 @@
-"""``bench.cpu_step_stack.account``: a run's wall time split into verify, step overhead,
+"""``bench.cpu.cpu_step_stack.account``: a run's wall time split into verify, step overhead,
 admission gaps and other gaps (issue 8 profile of our ar through the service stack)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.cpu_step_stack import account
+from bench.cpu.cpu_step_stack import account
 
 T0 = 1_000.0  # Unix s
 

@@ -1,5 +1,5 @@
 """Ragged per-request k in the coordinator (``coordinator.adaptive.KChooser.draft_ks``,
-``coordinator.stepping._verify_groups``): a request whose drafts keep being rejected gets a smaller k_i than a well-accepted one in the same Draft call, and the drafted
+``coordinator.stepping._group_by_draft_step``): a request whose drafts keep being rejected gets a smaller k_i than a well-accepted one in the same Draft call, and the drafted
 requests of one drafter step are verified in ONE Verify call whatever their k_i (fake engines of
 ``coordinator_harness`` over real gRPC; the fake verifier checks every row's drafts)."""
 

@@ -1,5 +1,5 @@
-"""Ragged per-request k in the engine workers (``specdec.draft_worker``, ``specdec.worker``) and
-the in-process ``sd`` / ``psd`` loops (``specdec.generate.ReferenceLoop(k_of=...)``): one Draft
+"""Ragged per-request k in the engine workers (``specdec.engine.draft_worker``, ``specdec.engine.worker``) and
+the in-process ``sd`` / ``psd`` loops (``reference.loop.ReferenceLoop(k_of=...)``): one Draft
 and one Verify call hold rows of different k_i, k_i changes between a request's steps, and
 greedy output equals the target alone (``ar``) token for token."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_reference_loops import PROMPTS, _runner, _workers
 
-from specdec.generate import LoopConfig, ReferenceLoop, Request
-from specdec.sampling import SamplingParams
+from reference.loop import LoopConfig, ReferenceLoop, Request
+from specdec.sample.sampling import SamplingParams
 
 torch.set_num_threads(1)
 K_MAX = 4

@@ -1,4 +1,4 @@
-"""Random-weight presets (specdec.random_models) and the loader's ``random:`` hook."""
+"""Random-weight presets (specdec.models.random_models) and the loader's ``random:`` hook."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from specdec.config import CacheConfig, ModelConfig
-from specdec.loader import load_model, resolve_model_dir
-from specdec.random_models import (
+from specdec.models.loader import load_model
+from specdec.models.resolve import resolve_model_dir
+from specdec.models.random_models import (
     PRESETS, RANDOM_MARKER, RANDOM_VOCAB_SIZE, TOKENIZER_ENV, build_random_model, make_config,
     parse_spec,
 )
-from specdec.runner import ModelRunner
+from specdec.engine.runner import ModelRunner
 
 
 @pytest.fixture

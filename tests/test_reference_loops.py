@@ -1,4 +1,4 @@
-"""End-to-end tests of the in-process ar / sd / psd loops (specdec.generate) on tiny models.
+"""End-to-end tests of the in-process ar / sd / psd loops (reference.loop) on tiny models.
 
 Greedy: sd and psd must give exactly ar's tokens. Sampled: the joint law of the first two output
 tokens under sd must be the target's. Seeded requests must not depend on their batch. Finishing
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from specdec.config import CacheConfig, ModelConfig
-from specdec.draft_format import build_draft_from_target
-from specdec.generate import LoopConfig, ReferenceLoop, Request
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
-from specdec.worker import DraftWorker, TargetWorker
+from specdec.models.draft_format import build_draft_from_target
+from reference.loop import LoopConfig, ReferenceLoop, Request
+from specdec.engine.runner import ModelRunner
+from specdec.sample.sampling import SamplingParams
+from specdec.engine.worker import DraftWorker, TargetWorker
 
 torch.set_num_threads(1)
 
@@ -189,7 +189,7 @@ def _top2_gap(runner, sequence):
 def test_real_smollm2_greedy_sd_psd_equal_ar(smollm2_dir):
     from transformers import AutoTokenizer
 
-    from specdec.generate_cli import read_prompts
+    from reference.cli import read_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": text}],

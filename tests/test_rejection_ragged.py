@@ -1,4 +1,4 @@
-"""Ragged rows of the rejection sampler (``specdec.rejection``, ``num_draft_tokens``): row i
+"""Ragged rows of the rejection sampler (``specdec.sample.rejection``, ``num_draft_tokens``): row i
 verifies its own k_i <= k drafts; padding past k_i is never read; the bonus token comes from
 p_{k_i+1}; each sampled row draws k_i + 1 uniforms (module docstring), so a ragged row equals the
 rectangular call on that row cut to k_i columns, and the output follows the target (Leviathan et
@@ -10,9 +10,9 @@ import pytest
 import torch
 from test_rejection_sampler import _one_hot_probs, _random_case, _tv, reference_rejection_sample
 
-from specdec.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
-from specdec.sampling import make_generator
-from specdec.worker import greedy_verify
+from specdec.sample.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
+from specdec.sample.sampling import make_generator
+from specdec.engine.worker import greedy_verify
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""Tests for specdec.rejection (ladder after vLLM's tests/v1/sample/test_rejection_sampler.py).
+"""Tests for specdec.sample.rejection (ladder after vLLM's tests/v1/sample/test_rejection_sampler.py).
 
 ``reference_rejection_sample`` below is a plain, loop-per-token transcription of Leviathan et al.
 2023, Algorithm 1 that consumes each row's generator in the documented order (k + 1 uniforms: k acceptance tests,
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
-from specdec.sampling import SamplingParams, logits_to_probs, make_generator
+from specdec.sample.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
+from specdec.sample.sampling import SamplingParams, logits_to_probs, make_generator
 
 torch.set_num_threads(1)
 

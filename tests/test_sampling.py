@@ -1,4 +1,4 @@
-"""Tests for specdec.sampling: params validation, logits processors, per-request generators."""
+"""Tests for specdec.sample.sampling: params validation, logits processors, per-request generators."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specdec.sampling import (
+from specdec.sample.sampling import (
     SamplingParams,
     inverse_cdf_sample,
     logits_to_probs,

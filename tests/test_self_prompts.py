@@ -1,4 +1,4 @@
-"""Self-written distillation prompts (specdec.self_prompts, Magpie): template, filters, chunked stage."""
+"""Self-written distillation prompts (distill.self_prompts, Magpie): template, filters, chunked stage."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from specdec import distill, self_prompts, task_prompts
+from distill import run as distill
+from distill import self_prompts
+from distill import task_prompts
 
 EVAL = task_prompts.eval_ngrams(["Summarize the following news article about the harbour bridge repairs."])
 
@@ -127,6 +129,6 @@ def test_missing_data_dir_and_unreadable_cache_are_named(tmp_path, tiny_llama, t
     with pytest.raises(FileNotFoundError, match="data_dir"):
         distill.build_dataset(cfg, model, tokenizer, "cpu")
     (tmp_path / "self0.pt").write_bytes(b"not a torch file")
-    from specdec.distill_data import _cached
+    from distill.data import _cached
     with pytest.raises(RuntimeError, match="self0.pt is unreadable"):
         _cached(str(tmp_path / "self0.pt"), lambda: None)

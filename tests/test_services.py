@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from minedraft.serving import wait_for_serving_sync
 from minedraft.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from specdec.tensor_proto import tensor_to_proto
+from engine_svc.tensor_proto import tensor_to_proto
 
 MAX_NUM_SEQS = 4
 K = 3
@@ -139,10 +139,10 @@ def run_grpc(services, tag: str, plane: int) -> list[list[tuple[list[int], int]]
 
 def run_in_process(model_dirs) -> list[list[tuple[list[int], int]]]:
     """The same protocol with specdec workers called directly (the reference)."""
-    from drafter_svc.engine_service import to_sampling_params
+    from engine_svc.service import to_sampling_params
     from specdec.config import CacheConfig, ModelConfig
-    from specdec.runner import ModelRunner
-    from specdec.worker import DraftWorker, TargetWorker
+    from specdec.engine.runner import ModelRunner
+    from specdec.engine.worker import DraftWorker, TargetWorker
 
     cache = CacheConfig(max_num_seqs=MAX_NUM_SEQS, max_model_len=128)
     target = TargetWorker(ModelRunner(ModelConfig(model=model_dirs[0]), cache))

@@ -1,4 +1,4 @@
-"""Synthetic task prompts (specdec.task_prompts, math_problems, task_corpus): deterministic, every
+"""Synthetic task prompts (distill.task_prompts, math_problems, task_corpus): deterministic, every
 task type present, no Spec-Bench overlap."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import random
 
 import pytest
 
-from specdec import math_problems, task_corpus
-from specdec import task_prompts as tp
+from distill import math_problems
+from distill import task_corpus
+from distill import task_prompts as tp
 
 SPEC_BENCH = "/work/shared/data/spec_bench/question.jsonl"
 DOCS = [(f"Question number {i} about topic {i % 7}?",

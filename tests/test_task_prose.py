@@ -1,10 +1,10 @@
-"""Human prose documents for the task prompts (specdec.task_prose): prose filter, grouping, licences."""
+"""Human prose documents for the task prompts (distill.task_prose): prose filter, grouping, licences."""
 
 from __future__ import annotations
 
 import gzip
 
-from specdec import task_prose
+from distill import task_prose
 
 PROSE = ("The quick brown fox jumps over the lazy dog while the farmer watches from the porch. "
          "Later that day the farmer writes a long letter to his sister about the clever fox.")

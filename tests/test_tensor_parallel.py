@@ -15,7 +15,7 @@ from conftest import _build_tiny_llama
 
 from minedraft.serving import wait_for_serving_sync
 from minedraft.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from specdec.tensor_proto import tensor_to_proto
+from engine_svc.tensor_proto import tensor_to_proto
 from verifier_svc.tp import TPContext, check_tp_divides_heads, shard_head_counts
 
 NUM_HEADS, NUM_KV_HEADS = 4, 2
@@ -81,9 +81,9 @@ def _verify_loop(add, verify) -> list[tuple[list[int], list[float]]]:
 
 def _in_process(model_dir: str):
     from specdec.config import CacheConfig, ModelConfig
-    from specdec.runner import ModelRunner
-    from specdec.sampling import SamplingParams
-    from specdec.worker import TargetWorker
+    from specdec.engine.runner import ModelRunner
+    from specdec.sample.sampling import SamplingParams
+    from specdec.engine.worker import TargetWorker
 
     worker = TargetWorker(ModelRunner(ModelConfig(model=model_dir), CacheConfig(max_num_seqs=4, max_model_len=128)))
     return _verify_loop(

@@ -1,4 +1,4 @@
-"""Tests for specdec.worker on tiny float64 Llama models against a cache-free reference model."""
+"""Tests for specdec.engine.worker on tiny float64 Llama models against a cache-free reference model."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from specdec.config import CacheConfig, ModelConfig
-from specdec.draft_format import build_draft_from_target
-from specdec.runner import ModelRunner
-from specdec.sampling import SamplingParams
-from specdec.worker import DraftCapacityError, DraftWorker, TargetWorker
+from specdec.models.draft_format import build_draft_from_target
+from specdec.engine.runner import ModelRunner
+from specdec.sample.sampling import SamplingParams
+from specdec.engine.worker import DraftCapacityError, DraftWorker, TargetWorker
 
 torch.set_num_threads(1)
 

@@ -7,8 +7,8 @@ its own workers); ``--num-speculative-tokens`` is the largest k the coordinator 
 decoding only, as ``ar`` needs; specdec.vllm_backend).
 Start-up: bind and report NOT_SERVING -> load the model -> warm-up (add + verify + release of
 a dummy request, on every rank) -> SERVING. With ``--data-plane dist`` rank 0 joins the
-drafter's data-plane group on ``--dist-addr:--dist-port`` (specdec.dataplane); with ``ipc`` it
-maps the drafter's shared buffers (specdec.dataplane_ipc).
+drafter's data-plane group on ``--dist-addr:--dist-port`` (specdec.dataplane.dist); with ``ipc`` it
+maps the drafter's shared buffers (specdec.dataplane.ipc).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import asyncio
 import logging
 import signal
 
-from drafter_svc.engine_service import DATA_PLANE_NAMES, add_common_args, check_common_args
+from engine_svc.service import DATA_PLANE_NAMES, add_common_args, check_common_args
 from minedraft import telemetry
 from minedraft.serving import ServerOptions, build_server, serve_until_signal
 from minedraft.v1 import engine_pb2
@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
     parser.add_argument("--bench-fixed-acceptance", type=float, default=None, metavar="P",
                         help="BENCHMARK-ONLY: accept each draft token with probability P instead of "
-                             "rejection sampling (changes the output distribution; specdec.fixed_acceptance)")
+                             "rejection sampling (changes the output distribution; specdec.sample.fixed_acceptance)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="--engine vllm: vLLM's tensor parallelism (native: run under torchrun)")
     parser.add_argument("--num-speculative-tokens", type=int, default=8,
@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.engine == "native" and args.tensor_parallel_size != 1:
         parser.error("--tensor-parallel-size is for --engine vllm; the native engine runs TP under torchrun")
     if args.bench_fixed_acceptance is not None:
-        from minedraft.bench_only import check_acceptance_prob
+        from specdec.sample.bench_only import check_acceptance_prob
 
         try:
             check_acceptance_prob(args.bench_fixed_acceptance)
@@ -63,8 +63,8 @@ def load_engine(args: argparse.Namespace, ctx: TPContext):
     if args.engine == "vllm":
         return _load_vllm_engine(args)
     from specdec.config import CacheConfig, ModelConfig
-    from specdec.runner import ModelRunner
-    from specdec.worker import TargetWorker
+    from specdec.engine.runner import ModelRunner
+    from specdec.engine.worker import TargetWorker
     from verifier_svc.engine import VerifierEngine
     from verifier_svc.tp import CommandChannel, init_distributed, load_tp_model
 
@@ -83,7 +83,7 @@ def load_engine(args: argparse.Namespace, ctx: TPContext):
 
 def _load_vllm_engine(args: argparse.Namespace):
     """``VerifierEngine`` over ``VllmTargetWorker`` (draft probs are not needed: no data plane)."""
-    from drafter_svc.engine_service import vllm_engine_config
+    from engine_svc.service import vllm_engine_config
     from specdec.vllm_backend.models import resolve_vllm_model
     from specdec.vllm_backend.target import VllmTargetWorker
     from verifier_svc.engine import VerifierEngine
@@ -97,12 +97,12 @@ def _load_vllm_engine(args: argparse.Namespace):
 
 
 def _fixed_acceptance(args: argparse.Namespace):
-    """``specdec.fixed_acceptance.FixedAcceptance`` from ``--bench-fixed-acceptance`` (None: off),
+    """``specdec.sample.fixed_acceptance.FixedAcceptance`` from ``--bench-fixed-acceptance`` (None: off),
     announced loudly: it changes the output distribution."""
     if args.bench_fixed_acceptance is None:
         return None
-    from minedraft.bench_only import fixed_acceptance_label
-    from specdec.fixed_acceptance import FixedAcceptance
+    from specdec.sample.bench_only import fixed_acceptance_label
+    from specdec.sample.fixed_acceptance import FixedAcceptance
 
     config = FixedAcceptance(args.bench_fixed_acceptance)
     logger.warning("%s: every draft token is accepted with probability %g, NOT by rejection sampling; "
@@ -116,11 +116,11 @@ def _probs_client(args: argparse.Namespace, ctx: TPContext, device: str):
     if args.data_plane not in ("dist", "ipc") or not ctx.is_driver:
         return None
     if args.data_plane == "ipc":
-        from specdec.dataplane_ipc import IpcPlaneConfig, IpcProbsClient
+        from specdec.dataplane.ipc import IpcPlaneConfig, IpcProbsClient
 
         return IpcProbsClient(IpcPlaneConfig(name=args.ipc_name, device=device,
                                              connect_timeout_s=args.dist_timeout_s))
-    from specdec.dataplane import DistPlaneConfig, DraftProbsClient
+    from specdec.dataplane.dist import DistPlaneConfig, DraftProbsClient
 
     client = DraftProbsClient(DistPlaneConfig(addr=args.dist_addr, port=args.dist_port,
                                               connect_timeout_s=args.dist_timeout_s, device=device))
@@ -162,7 +162,7 @@ def _served_name(args: argparse.Namespace) -> str:
     """``EngineInfo.model``: the model, with the benchmark-only label when fixed acceptance is on."""
     if args.bench_fixed_acceptance is None:
         return args.model
-    from minedraft.bench_only import fixed_acceptance_label
+    from specdec.sample.bench_only import fixed_acceptance_label
 
     return f"{args.model} [{fixed_acceptance_label(args.bench_fixed_acceptance)}]"
 

@@ -1,6 +1,6 @@
 """The verifier's engine commands, run identically on every tensor-parallel rank.
 
-``VerifierEngine`` wraps ``specdec.worker.TargetWorker``. On rank 0 (the driver) each command
+``VerifierEngine`` wraps ``specdec.engine.worker.TargetWorker``. On rank 0 (the driver) each command
 is validated, completed (seeds of unseeded requests drawn; draft probs decoded from the inline
 message or fetched over the dist data plane), broadcast to the other ranks
 (``verifier_svc.tp.CommandChannel``) and then applied; ranks > 0 run ``follow()``, applying the
@@ -20,9 +20,9 @@ import time
 import torch
 from opentelemetry import trace
 
-from drafter_svc.engine_service import check_unique_ids, elapsed_ms, to_sampling_params, to_seq_output
+from engine_svc.service import check_unique_ids, elapsed_ms, to_sampling_params, to_seq_output
 from minedraft.v1 import engine_pb2
-from specdec.tensor_proto import is_empty_proto, proto_to_tensor
+from engine_svc.tensor_proto import is_empty_proto, proto_to_tensor
 from verifier_svc.tp import CMD_ADD, CMD_RELEASE, CMD_SHUTDOWN, CMD_VERIFY, PROBS_DTYPES, CommandChannel
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class VerifierEngine:
     Args:
         worker: this rank's ``TargetWorker``.
         channel: the TP command channel, or None for TP = 1.
-        probs_client: ``specdec.dataplane.DraftProbsClient`` (driver with ``--data-plane dist``).
+        probs_client: ``specdec.dataplane.dist.DraftProbsClient`` (driver with ``--data-plane dist``).
         seed: seeds the source of per-request seeds for unseeded requests (None: random).
     """
 

@@ -13,9 +13,9 @@ import grpc
 import torch
 from opentelemetry import trace
 
-from drafter_svc.engine_service import EngineExecutor, abort_with, engine_info
+from engine_svc.service import EngineExecutor, abort_with, engine_info
 from minedraft.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from specdec.tensor_proto import tensor_to_proto
+from engine_svc.tensor_proto import tensor_to_proto
 
 WARMUP_REQUEST_ID = "__minedraft_warmup__"
 WARMUP_NUM_TOKENS = 4

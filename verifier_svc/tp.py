@@ -18,7 +18,7 @@ Command wire format (never pickled), all by ``torch.distributed.broadcast`` from
 Slot KV cache under TP: each rank's attention sees ``num_heads / N`` query heads and
 ``num_kv_heads / N`` key/value heads, while transformers leaves the model config at the global
 counts. ``shard_head_counts`` gives the rank's model config its per-rank counts, so
-``specdec.runner.ModelRunner`` sizes the cache to the local heads (N times less memory).
+``specdec.engine.runner.ModelRunner`` sizes the cache to the local heads (N times less memory).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def load_tp_model(model_cfg, ctx: TPContext):
     """
     from transformers import AutoConfig, AutoModelForCausalLM, DistributedConfig
 
-    from specdec.loader import resolve_model_dir
+    from specdec.models.resolve import resolve_model_dir
 
     if ctx.is_driver:
         model_dir = resolve_model_dir(model_cfg)

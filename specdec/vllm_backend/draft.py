@@ -1,6 +1,6 @@
 """``VllmDraftWorker``: the draft model on vLLM, behind the drafter's engine seam.
 
-The same contract as ``specdec.draft_worker.DraftWorker`` (``specdec.engine_api.DraftEngine``):
+The same contract as ``specdec.engine.draft_worker.DraftWorker`` (``specdec.engine_api.DraftEngine``):
 ``add_requests`` admits requests, ``draft`` catches up on the tokens the verifier committed and
 drafts k_i tokens for the named batch, ``release`` forgets a request.
 
@@ -16,7 +16,7 @@ Draft tokens are sampled with the request's temperature / top-k / top-p / min-p;
 request gets a seed per draft call derived from its seed and its committed length, so a seeded
 run is reproducible. Draft probabilities are not returned (``None``): vLLM's rejection sampler
 needs none, and the native verifier then treats q as the one-hot of each draft token, which
-stays lossless (``specdec.rejection``).
+stays lossless (``specdec.sample.rejection``).
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from specdec.draft_worker import merge_committed
+from specdec.engine.draft_worker import merge_committed
 from specdec.engine_api import EngineFacts
 from specdec.errors import CapacityError
-from specdec.sampling import SamplingParams
+from specdec.sample.sampling import SamplingParams
 from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
 from specdec.vllm_backend.engine import VllmEngineConfig, build_engine, drain, refusals_as_value_errors, to_vllm_sampling
 from specdec.vllm_backend.outputs import collect_step, engine_facts
-from specdec.worker_base import DraftCapacityError
+from specdec.engine.worker_base import DraftCapacityError
 
 _SEED_BITS = 63
 _SEED_MIX = 0x9E3779B97F4A7C15   # golden-ratio constant: decorrelates per-call draft seeds

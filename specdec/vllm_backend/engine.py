@@ -11,7 +11,7 @@ Speculative decoding in the target engine: ``speculative_config`` method ``custo
 ``ExternalDraftProposer`` (the drafts come from our drafter), vLLM's rejection sampler, or
 its benchmark-only ``rejection_sample_method="synthetic"`` for ``--bench-fixed-acceptance P``
 (per-position unconditional acceptance rates P, P^2, ..., P^k: the same process as
-``specdec.fixed_acceptance``, each draft token accepted with probability P given its
+``specdec.sample.fixed_acceptance``, each draft token accepted with probability P given its
 predecessors were).
 
 Capacity: the KV cache must hold ``max_num_seqs x max_model_len`` tokens (``check_kv_capacity``
@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 
 from specdec.errors import CapacityError
-from specdec.sampling import TOP_K_OFF, SamplingParams
+from specdec.sample.sampling import TOP_K_OFF, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -230,10 +230,10 @@ def refusals_as_value_errors():
 def to_vllm_sampling(params: SamplingParams, max_tokens: int, seed: int | None = None, with_logprobs: bool = True):
     """vLLM ``SamplingParams`` of an engine request: the same temperature / top-k / top-p / min-p,
     presence / frequency / repetition penalties (vLLM's rejection sampler counts the draft tokens
-    before each position as output, as ``specdec.penalties`` does) and seed, EOS and stop
+    before each position as output, as ``specdec.sample.penalties`` does) and seed, EOS and stop
     handling off (the coordinator finishes requests), ``max_tokens`` output tokens, token ids only (no detokenizer), deltas per step, and the sampled token's
     raw logprob plus ``params.logprobs`` top logprobs (vLLM's ``raw_logprobs``: log-softmax of
-    the unprocessed logits, as ``specdec.worker_base.StepOutput`` defines them); none at all
+    the unprocessed logits, as ``specdec.engine.worker_base.StepOutput`` defines them); none at all
     without ``with_logprobs`` (draft tokens: nobody reads their logprobs)."""
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind

@@ -1,12 +1,12 @@
 """Which Hugging Face dir (and vLLM ``load_format``) serves a model spec on the vLLM backend.
 
-- ``random:<preset>[:<seed>]``, or such a preset's dir (``minedraft_random.json``): its config dir (``specdec.random_models``) with
+- ``random:<preset>[:<seed>]``, or such a preset's dir (``minedraft_random.json``): its config dir (``specdec.models.random_models``) with
   ``load_format="dummy"``: vLLM's own random init of that shape (RANDOM weights: outputs are
   meaningless, and acceptance is near zero unless a benchmark fixes it);
 - a MineDraft draft dir (``minedraft_draft.json``: its own layers, the target's embeddings and
-  head): exported once as a standalone ``LlamaForCausalLM`` (``specdec.hf_export.export_draft``,
+  head): exported once as a standalone ``LlamaForCausalLM`` (``specdec.models.hf_export.export_draft``,
   full-vocabulary head) under ``$MINEDRAFT_CACHE/vllm_drafts/<key>``; needs the target dir;
-- anything else (alias, GGUF, HF dir): ``specdec.loader.resolve_model_dir`` (GGUF converted once).
+- anything else (alias, GGUF, HF dir): ``specdec.models.loader.resolve_model_dir`` (GGUF converted once).
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import hashlib
 import os
 
 from specdec.config import ModelConfig
-from specdec.draft_format import DRAFT_META_FILE
-from specdec.hf_export import EXPORT_META_FILE, export_draft
-from specdec.loader import build_cached_dir, cache_root, resolve_model_dir
-from specdec.random_models import is_random_spec, model_dir as random_model_dir, read_marker
+from specdec.models.draft_format import DRAFT_META_FILE
+from specdec.models.hf_export import EXPORT_META_FILE, export_draft
+from specdec.models.cache import build_cached_dir, cache_root
+from specdec.models.resolve import resolve_model_dir
+from specdec.models.random_models import is_random_spec, model_dir as random_model_dir, read_marker
 
 
 def resolve_vllm_model(model: str, target_dir: str | None = None) -> tuple[str, str]:
@@ -26,7 +27,7 @@ def resolve_vllm_model(model: str, target_dir: str | None = None) -> tuple[str, 
 
     Raises:
         ValueError: a MineDraft draft dir without ``target_dir``.
-        FileNotFoundError / IncompatibleDraftError: as ``specdec.hf_export.export_draft``.
+        FileNotFoundError / IncompatibleDraftError: as ``specdec.models.hf_export.export_draft``.
     """
     if is_random_spec(model):
         return random_model_dir(model), "dummy"

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from specdec.engine_api import EngineFacts
-from specdec.worker_base import StepOutput
+from specdec.engine.worker_base import StepOutput
 
 
 def collect_step(request_outputs) -> dict:
@@ -57,7 +57,7 @@ def engine_facts(engine, cfg) -> EngineFacts:
     hf = model_config.hf_config
     eos = getattr(hf, "eos_token_id", None)
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-    from minedraft.capacity import DTYPE_BYTES
+    from specdec.models.footprint import DTYPE_BYTES
 
     dtype_bytes = DTYPE_BYTES[cfg.dtype]
     per_token = (2 * model_config.get_num_layers(parallel) * model_config.get_num_kv_heads(parallel)
@@ -73,7 +73,7 @@ def engine_facts(engine, cfg) -> EngineFacts:
 
 def _weight_bytes(model_dir: str, dtype_bytes: int) -> int:
     """Parameters in the dir's safetensors files x bytes per parameter (0 when there are none)."""
-    from minedraft.capacity import num_safetensors_params
+    from specdec.models.footprint import num_safetensors_params
 
     try:
         return num_safetensors_params(model_dir)[0] * dtype_bytes

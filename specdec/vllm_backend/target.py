@@ -1,6 +1,6 @@
 """``VllmTargetWorker``: the target model on vLLM, behind the verifier's engine seam.
 
-The same contract as ``specdec.worker.TargetWorker`` (``specdec.engine_api.TargetEngine``):
+The same contract as ``specdec.engine.worker.TargetWorker`` (``specdec.engine_api.TargetEngine``):
 ``add_requests`` prefills prompts and samples their first token, ``verify`` scores a named
 batch's draft tokens and commits the accepted tokens plus one recovered or bonus token,
 ``release`` frees a request. Underneath, each request is one vLLM request kept resident for its
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from specdec.engine_api import EngineFacts
 from specdec.errors import CapacityError
-from specdec.sampling import SamplingParams
+from specdec.sample.sampling import SamplingParams
 from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
 from specdec.vllm_backend.engine import (VllmEngineConfig, build_engine, refusals_as_value_errors, scheduler_of,
                                          to_vllm_sampling)

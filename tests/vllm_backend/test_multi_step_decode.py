@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import _build_tiny_llama
-from specdec.sampling import SamplingParams
+from specdec.sample.sampling import SamplingParams
 from specdec.vllm_backend.engine import VllmEngineConfig
 from specdec.vllm_backend.scheduler import PsdAsyncScheduler, PsdScheduler, PsdStep
 from specdec.vllm_backend.target import VllmTargetWorker

@@ -21,11 +21,11 @@ import torch
 
 from conftest import _build_tiny_llama
 from specdec.errors import CapacityError
-from specdec.sampling import SamplingParams
+from specdec.sample.sampling import SamplingParams
 from specdec.vllm_backend.draft import VllmDraftWorker
 from specdec.vllm_backend.engine import VllmEngineConfig, build_engine, check_kv_capacity, to_vllm_sampling
 from specdec.vllm_backend.target import VllmTargetWorker
-from specdec.worker_base import DraftCapacityError
+from specdec.engine.worker_base import DraftCapacityError
 
 SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
 VOCAB = 128
@@ -374,8 +374,8 @@ PENALTIES = dict(presence_penalty=0.7, frequency_penalty=0.6, repetition_penalty
 
 @torch.no_grad()
 def _hf_greedy_penalised(model, prompt: list[int], n: int) -> list[int]:
-    """Greedy decoding of the HF model with vLLM's penalty definitions (specdec.penalties)."""
-    from specdec.penalties import apply_penalties
+    """Greedy decoding of the HF model with vLLM's penalty definitions (specdec.sample.penalties)."""
+    from specdec.sample.penalties import apply_penalties
 
     ids, params = list(prompt), SamplingParams(temperature=0.0, **PENALTIES)
     for _ in range(n):

@@ -1,0 +1,132 @@
+"""Figures of the benchmark suite: per-run summaries, step-time split and ratios (issue 8).
+
+Definitions (the same for every system; MineDraft paper §6 and vLLM's benchmark_serving):
+- ``output_tokens_per_s``: completion tokens of all successful requests / wall time of the run;
+- ``requests_per_s``: successful requests / wall time;
+- ``ttft_ms_p50/p99``, ``latency_ms_p50/p99``: percentiles (linear interpolation) in ms;
+- ``mean_acceptance_length``: ``1 + accepted / num_drafts`` (tokens committed per verify step that
+  carried drafts; 1.0 without speculation, vLLM's definition);
+- ``output_tokens_per_s_per_core``: ``output_tokens_per_s / num_cores`` (cores the system's engines own).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+NAN = float("nan")
+STEP_SPLIT_KEYS = ("draft_ms", "verify_ms", "data_plane_ms", "idle_ms", "wall_ms")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation; NaN for no values.
+
+    Raises:
+        ValueError: q outside [0, 100].
+    """
+    if not 0 <= q <= 100:
+        raise ValueError(f"q: must be in [0, 100], got {q}")
+    finite = sorted(v for v in values if not math.isnan(v))
+    if not finite:
+        return NAN
+    rank = (len(finite) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(finite) - 1)
+    return finite[low] + (finite[high] - finite[low]) * (rank - low)
+
+
+def mean_acceptance_length(num_accepted_tokens: float, num_drafts: float) -> float:
+    """``1 + accepted / num_drafts``; 1.0 when nothing was drafted (no speculation)."""
+    return 1.0 + num_accepted_tokens / num_drafts if num_drafts > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class SpecCounts:
+    """Speculation counters summed over a run (draft tokens, accepted tokens, verify steps with drafts)."""
+
+    num_draft_tokens: float = 0.0
+    num_accepted_tokens: float = 0.0
+    num_drafts: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else NAN
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return mean_acceptance_length(self.num_accepted_tokens, self.num_drafts)
+
+
+def spec_counts_from_usage(results) -> SpecCounts | None:
+    """Sum our gateway's ``usage.minedraft`` extension over ``results`` (None when no result has it)."""
+    specs = [r.spec for r in results if r.is_ok and r.spec]
+    if not specs:
+        return None
+    return SpecCounts(sum(s.get("num_draft_tokens", 0) for s in specs),
+                      sum(s.get("num_accepted_tokens", 0) for s in specs), sum(s.get("num_drafts", 0) for s in specs))
+
+
+def summarize(results, wall_s: float, num_cores: int, spec: SpecCounts | None) -> dict:
+    """The figures of one run (see the module docstring). ``results``: ``bench.common.loadgen.RequestResult``.
+
+    Raises:
+        ValueError: ``wall_s`` <= 0 or ``num_cores`` < 1.
+    """
+    if wall_s <= 0 or num_cores < 1:
+        raise ValueError(f"wall_s/num_cores: must be > 0 / >= 1, got {wall_s}/{num_cores}")
+    ok = [r for r in results if r.is_ok]
+    num_tokens = sum(r.num_output_tokens for r in ok)
+    tokens_per_s = num_tokens / wall_s
+    spec = spec or SpecCounts()
+    return {
+        "num_requests": len(results), "num_errors": len(results) - len(ok), "num_output_tokens": num_tokens,
+        "wall_s": wall_s, "output_tokens_per_s": tokens_per_s, "requests_per_s": len(ok) / wall_s,
+        "ttft_ms_p50": percentile([r.ttft_ms for r in ok], 50), "ttft_ms_p99": percentile([r.ttft_ms for r in ok], 99),
+        "latency_ms_p50": percentile([r.latency_ms for r in ok], 50),
+        "latency_ms_p99": percentile([r.latency_ms for r in ok], 99),
+        "mean_acceptance_length": spec.mean_acceptance_length, "acceptance_rate": spec.acceptance_rate,
+        "num_cores": num_cores, "output_tokens_per_s_per_core": tokens_per_s / num_cores,
+    }
+
+
+def summarize_by_task(results) -> dict[str, dict]:
+    """Per Spec-Bench task: requests, output tokens, latency p50 (ms) and, for our systems, the
+    mean acceptance length from the usage extension (NaN when not reported)."""
+    tasks: dict[str, list] = {}
+    for r in results:
+        if r.is_ok:
+            tasks.setdefault(r.task, []).append(r)
+    out = {}
+    for task, rows in tasks.items():
+        spec = spec_counts_from_usage(rows)
+        out[task] = {"num_requests": len(rows), "num_output_tokens": sum(r.num_output_tokens for r in rows),
+                     "latency_ms_p50": percentile([r.latency_ms for r in rows], 50),
+                     "mean_acceptance_length": spec.mean_acceptance_length if spec else NAN}
+    return out
+
+
+def step_split(step_log_path: str, start_s: float, end_s: float) -> dict | None:
+    """Mean per-step time split (ms) from our coordinator's step log (``--step-log``), over the
+    steps that started within ``[start_s, end_s]`` (Unix s): draft (drafter compute, summed over
+    both PSD batches), verify (verifier compute), data plane (draft-probs transfer), idle
+    (verifier idle = wall - verify) and wall; plus ``num_steps`` and ``parallel_step_ratio``.
+    None when the file is missing or holds no step in the window."""
+    try:
+        with open(step_log_path, encoding="utf-8") as f:
+            steps = [json.loads(line) for line in f if line.strip()]
+    except OSError:
+        return None
+    steps = [s for s in steps if start_s <= s["start_s"] <= end_s]
+    if not steps:
+        return None
+    split = {key: sum(float(s[key]) for s in steps) / len(steps) for key in STEP_SPLIT_KEYS}
+    split["num_steps"] = len(steps)
+    split["parallel_step_ratio"] = sum(bool(s["is_parallel"]) for s in steps) / len(steps)
+    return split
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    """``numerator / denominator``; NaN when either is NaN or the denominator is 0."""
+    if denominator == 0 or math.isnan(numerator) or math.isnan(denominator):
+        return NAN
+    return numerator / denominator

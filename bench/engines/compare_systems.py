@@ -1,0 +1,130 @@
+"""The systems of ``bench.engines.engines_compare``: our stack on either engine backend, vLLM's own server.
+
+Names: ``<mode>-<engine>`` for ours (mode ``ar``/``sd``/``psd``/``auto``, engine ``vllm`` or
+``native``), ``vllm-ar`` and ``vllm-sd-k<K>`` for vLLM. Start/stop and metrics are those of
+``bench.common.systems.OursSystem`` / ``VllmSystem`` (subclassed: only the command lines differ).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+from bench.common.systems import Endpoint, OursSystem, VllmSystem
+from minedraft.engine_backend import ENGINES, OWN_GPU_UTILIZATION, engine_python
+
+OUR_MODES = ("ar", "sd", "psd", "auto")
+_VLLM_SD = re.compile(r"^vllm-sd-k(\d+)$")
+SERVED_MODEL = "minedraft-bench-target"
+
+
+@dataclass(frozen=True)
+class SystemName:
+    family: str            # "ours" or "vllm"
+    mode: str              # ours: ar/sd/psd/auto; vLLM: ar/sd
+    engine: str = ""       # ours: vllm/native
+    k: int | None = None   # vLLM sd: num_speculative_tokens
+
+
+def parse_system(name: str) -> SystemName:
+    """``SystemName`` of a system label. Raises ValueError naming it when it is none of the forms."""
+    if name == "vllm-ar":
+        return SystemName("vllm", "ar")
+    match = _VLLM_SD.match(name)
+    if match and int(match.group(1)) >= 1:
+        return SystemName("vllm", "sd", k=int(match.group(1)))
+    mode, _, engine = name.partition("-")
+    if mode in OUR_MODES and engine in ENGINES:
+        return SystemName("ours", mode, engine)
+    raise ValueError(f"systems: unknown system {name!r} (forms: vllm-ar, vllm-sd-k<K>, "
+                     f"<{'|'.join(OUR_MODES)}>-<{'|'.join(ENGINES)}>)")
+
+
+def synthetic_rates(p: float, k: int) -> list[float]:
+    """vLLM's per-position unconditional acceptance rates for our fixed acceptance P: P^1..P^k."""
+    return [p ** i for i in range(1, k + 1)]
+
+
+class OursServer(OursSystem):
+    """Our stack for ``name`` under ``cfg`` (a ``bench.engines.engines_compare.CompareConfig``)."""
+
+    def __init__(self, name: str, cfg, logs_dir: str) -> None:  # noqa: D107 -- see the class docstring
+        from minedraft.launcher import Stack, resolve_model_dir
+        from minedraft.stack import StackConfig, free_loopback_ports
+
+        system = parse_system(name)
+        gateway, coordinator, drafter, verifier, dist, http = free_loopback_ports(6)
+        os.makedirs(logs_dir, exist_ok=True)
+        self._step_log = os.path.join(logs_dir, "steps.jsonl")
+        is_cuda = cfg.device == "cuda"
+        two_batches = system.mode in ("psd", "auto")
+        stack = StackConfig(
+            mode=system.mode, engine=system.engine, engine_python=cfg.vllm_python, num_speculative_tokens=cfg.k,
+            max_num_seqs=cfg.m if two_batches else 2 * cfg.m, target=cfg.target, draft=cfg.draft,
+            max_model_len=cfg.max_model_len, dtype=cfg.dtype, device=cfg.device,
+            drafter_gpu=cfg.drafter_gpu if is_cuda else -1, cuda_mps=cfg.cuda_mps and is_cuda,
+            bench_fixed_acceptance=cfg.fixed_acceptance, enforce_eager=cfg.enforce_eager,
+            k_policy="adaptive" if system.mode == "auto" else "fixed",
+            balancer="feedback" if system.mode == "auto" else "paper",
+            data_plane="inline" if system.engine == "vllm" or not is_cuda else "ipc",
+            gateway_port=gateway, coordinator_port=coordinator, drafter_port=drafter, verifier_port=verifier,
+            dist_port=dist, http_port=http, step_log=self._step_log, runs_dir=logs_dir,
+            startup_timeout_s=cfg.startup_timeout_s, num_decode_steps=cfg.decode_steps)
+        self._stack = Stack(stack, run_dir=logs_dir)
+        self._model_dir = resolve_model_dir(cfg.target)
+        self.endpoint = Endpoint(f"http://127.0.0.1:{http}/v1", os.path.basename(os.path.normpath(cfg.target)),
+                                 self._step_log, logs_dir)
+
+
+def vllm_server_argv(python: str, cfg, system: SystemName, port: int, target: tuple[str, str],
+                     draft: tuple[str, str] | None) -> list[str]:
+    """vLLM's OpenAI server command line for ``system``; ``target``/``draft``: (HF dir, load format)."""
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target[0], "--served-model-name",
+            SERVED_MODEL, "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(2 * cfg.m),
+            "--max-model-len", str(cfg.max_model_len), "--dtype", cfg.dtype, "--seed", "0",
+            "--load-format", target[1]]
+    if cfg.device == "cuda":
+        argv += ["--gpu-memory-utilization", str(OWN_GPU_UTILIZATION)]
+    if cfg.enforce_eager:
+        argv.append("--enforce-eager")
+    if system.mode == "sd":
+        spec = {"method": "draft_model", "model": draft[0], "num_speculative_tokens": system.k}
+        if cfg.fixed_acceptance is not None:
+            spec.update(rejection_sample_method="synthetic",
+                        synthetic_acceptance_rates=synthetic_rates(cfg.fixed_acceptance, system.k))
+        argv += ["--speculative-config", json.dumps(spec)]
+    return argv
+
+
+class VllmServer(VllmSystem):
+    """vLLM's OpenAI server for ``name`` under ``cfg`` (GPU or the CPU build)."""
+
+    def __init__(self, name: str, cfg, logs_dir: str) -> None:  # noqa: D107 -- see the class docstring
+        from minedraft.launcher import resolve_model_dir
+        from minedraft.stack import StackConfig, free_loopback_ports, resolve_draft_dir
+        from specdec.vllm_backend.engine import CUDA_ENV_DEFAULTS, ENV_DEFAULTS
+        from specdec.vllm_backend.models import resolve_vllm_model
+
+        system = parse_system(name)
+        (port,) = free_loopback_ports(1)
+        os.makedirs(logs_dir, exist_ok=True)
+        target = resolve_vllm_model(cfg.target)
+        draft = None
+        if system.mode == "sd":
+            target_dir = resolve_model_dir(cfg.target)
+            draft = resolve_vllm_model(resolve_draft_dir(StackConfig(target=cfg.target, draft=cfg.draft), target_dir),
+                                       target_dir)
+        python = cfg.vllm_python or engine_python("vllm")
+        self.argv = vllm_server_argv(python, cfg, system, port, target, draft)
+        self._env = {**os.environ, **ENV_DEFAULTS, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        if cfg.device == "cuda":
+            self._env.update(CUDA_ENV_DEFAULTS)
+        else:
+            self._env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_NUM_OF_RESERVED_CPU="1")
+        self._log_path = os.path.join(logs_dir, "vllm.log")
+        self._timeout_s = cfg.startup_timeout_s
+        self._root = f"http://127.0.0.1:{port}"
+        self._process = None
+        self.endpoint = Endpoint(f"{self._root}/v1", SERVED_MODEL, "", logs_dir)
+

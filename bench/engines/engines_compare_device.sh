@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# issue 24 on the lent H200: our stack on --engine vllm (and native) against vLLM itself,
+# `bench.engines.engines_compare`, after `bash bench/engines/stage_device.sh` parts reached /root/stage.
+#
+#   bash bench/engines/engines_compare_device.sh TABLE [TOTAL_S]     (results under $OUT/TABLE)
+#
+# TABLE: paper  - Llama-3-8B-shape target, Qwen3-0.6B-shape draft, random weights, acceptance
+#                 fixed at 0.7 on both sides (ours --bench-fixed-acceptance, vLLM synthetic);
+#        smollm2 - the real SmolLM2-135M-Instruct target with our distilled draft, greedy.
+# Drafter and verifier share GPU 0 under CUDA MPS. Env: SYSTEMS, CONCURRENCIES, EXTRA, DATA (the prompts) override;
+# SMOKE=1 first runs bench.engines.vllm_backend_smoke (the backend's workers in-process, greedy sd = ar;
+# SMOKE_ARGS its flags, SMOKE_ONLY=1 stops after it).
+set -u
+TABLE=${1:?TABLE: paper or smollm2}
+TOTAL_S=${2:-560}
+START=$(date +%s)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export TQDM_DISABLE=1 MINEDRAFT_CACHE=/root/cache VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ATTENTION_BACKEND=FLASH_ATTN
+export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1
+OUT=${OUT:-/tmp/out}
+SITE=/root/site
+if [ ! -f $SITE/.installed ]; then
+  mkdir -p /root/stage/x && cat /root/stage/part.* | tar x -C /root/stage/x || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE /root/stage/x/whl/*.whl || exit 1
+  touch $SITE/.installed
+fi
+[ -d drafts/smollm2-135m-instruct ] || cp -r /root/stage/x/drafts ./drafts   # staged: too big to travel with the tree
+export PYTHONPATH=$SITE:$PWD
+python3 -c 'import torch, vllm, transformers, grpc; print("torch", torch.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__, "grpc", grpc.__version__, "gpus", torch.cuda.device_count())' || exit 1
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
+mkdir -p "$OUT/$TABLE"
+rm -rf /root/cache/models/random-*   # written by an older checkout (before `architectures` was set)
+if [ -n "${SMOKE:-}" ]; then   # SMOKE_ARGS: bench.engines.vllm_backend_smoke's flags; its profile comes back as one tar
+  timeout "${SMOKE_TIMEOUT:-240}" python3 -m bench.engines.vllm_backend_smoke --device cuda --profile-out /tmp/prof \
+      ${SMOKE_ARGS:---target random:smollm2-135m --draft random:smollm2-135m --enforce-eager} 2>&1 \
+      | tee "$OUT/$TABLE/smoke.log" | grep -E "SMOKE|Error|error" | tail -20
+  tar czf "$OUT/$TABLE/profile.tgz" -C /tmp prof 2>/dev/null
+fi
+[ -z "${SMOKE_ONLY:-}" ] || exit 0
+left() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
+case "$TABLE" in
+  paper) ARGS="--target random:llama-8b --draft random:qwen3-0.6b --fixed-acceptance 0.7 --max-tokens 256"
+         SYSTEMS=${SYSTEMS:-vllm-ar,ar-vllm,psd-vllm,vllm-sd-k4,sd-vllm} ;;
+  smollm2) ARGS="--target smollm2-135m-instruct --max-tokens 256"
+           SYSTEMS=${SYSTEMS:-vllm-ar,ar-vllm,psd-vllm,vllm-sd-k4,sd-vllm,psd-native} ;;
+  *) echo "unknown TABLE $TABLE" >&2; exit 2 ;;
+esac
+python3 -m bench.engines.engines_compare --out-dir "$OUT/$TABLE" --work-dir /tmp/work/$TABLE --device cuda --dtype bfloat16 \
+    $ARGS --systems "$SYSTEMS" --concurrencies "${CONCURRENCIES:-1,4,16,32,64}" --k 4 --m 32 \
+    --max-model-len 1024 --cuda-mps --drafter-gpu 0 --requests-per-client 2 --min-requests 4 --max-requests 128 \
+    --data "${DATA:-/root/stage/x/question.jsonl}" --time-budget-s "$(( $(left) - 40 ))" ${EXTRA:-}
+echo "engines_compare $TABLE done, $(left) s left"
+tar czf "$OUT/$TABLE/logs.tgz" -C /tmp/work/$TABLE logs 2>/dev/null
+ls -la "$OUT/$TABLE"
