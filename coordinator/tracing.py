@@ -1,6 +1,6 @@
 """Request and step tracing of the coordinator (OpenTelemetry spans, the JSONL step log; torch-free).
 
-Trace layout (README "Tracing"):
+Trace layout (docs/METRICS.md):
 - Each request has its own trace: gateway ``gateway.generate`` -> gRPC client/server spans ->
   ``coordinator.request`` (from submit to finish: queue wait, TTFT, token counts, finish_reason).
 - The step loop is shared by up to 2m requests, so a step cannot be a child of one request.
