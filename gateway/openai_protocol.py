@@ -30,6 +30,7 @@ API, following vLLM's OpenAI server (https://docs.vllm.ai/en/latest/serving/open
 """
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import Annotated, Literal
 
@@ -197,8 +198,10 @@ def _set_penalties(body: _SamplingFields, sampling: common_pb2.SamplingParams) -
             raise InvalidRequestError(name, f"must be in [-2, 2], got {value}")
         setattr(sampling, name, value)
     if body.repetition_penalty is not None:
-        if not (math.isfinite(body.repetition_penalty) and body.repetition_penalty > 0):
-            raise InvalidRequestError("repetition_penalty", f"must be finite and > 0, got {body.repetition_penalty}")
+        as_float32 = ctypes.c_float(body.repetition_penalty).value   # the wire's type
+        if not (math.isfinite(as_float32) and as_float32 > 0):
+            raise InvalidRequestError("repetition_penalty", "must be finite and > 0 as a 32-bit float (about "
+                                      f"1.4e-45 to 3.4e38), got {body.repetition_penalty}")
         sampling.repetition_penalty = body.repetition_penalty
 
 

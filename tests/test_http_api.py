@@ -105,6 +105,8 @@ def test_coordinator_errors_map_to_http_status(gateway, fake, code, status, is_s
     ({"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty"),
     ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "hi", "repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 1e308}, "repetition_penalty"),   # inf as the wire's float32
+    ({"prompt": "hi", "repetition_penalty": 1e-300}, "repetition_penalty"),  # 0 (= unset) as float32
 ])
 def test_invalid_body_is_400_naming_the_param(gateway, fake, body, param):
     _, port = gateway

@@ -100,3 +100,17 @@ def test_loader_resolves_and_loads_random_spec(random_cache, smollm2_dir):
 def test_unknown_preset_is_a_clear_error(random_cache):
     with pytest.raises(ValueError, match="unknown random preset"):
         resolve_model_dir(ModelConfig(model="random:llama-70b"))
+
+
+def test_a_dir_written_without_a_tokenizer_gets_one_once_one_is_found(random_cache, monkeypatch, smollm2_dir):
+    """A random dir cached by a Python that found no tokenizer (e.g. without the GGUF package) is
+    completed later, instead of staying tokenizer-less and failing the gateway forever."""
+    from specdec.models import random_models
+
+    monkeypatch.setattr(random_models, "find_tokenizer_dir", lambda: None)
+    bare = random_models.model_dir("random:tiny-llama:5")
+    assert not os.path.isfile(os.path.join(bare, "tokenizer.json"))
+    monkeypatch.setattr(random_models, "find_tokenizer_dir", lambda: smollm2_dir)
+    assert random_models.model_dir("random:tiny-llama:5") == bare
+    assert os.path.isfile(os.path.join(bare, "tokenizer.json"))
+    assert not [name for name in os.listdir(bare) if name.endswith(".tmp")]

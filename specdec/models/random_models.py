@@ -209,7 +209,25 @@ def model_dir(model: str) -> str:
     """
     preset, seed = parse_spec(model)
     final_dir = os.path.join(cache_root(), "models", f"random-{preset}-s{seed}")
-    return build_cached_dir(final_dir, RANDOM_MARKER, lambda tmp_dir: _write_dir(tmp_dir, model, preset, seed))
+    out_dir = build_cached_dir(final_dir, RANDOM_MARKER, lambda tmp_dir: _write_dir(tmp_dir, model, preset, seed))
+    if not os.path.isfile(os.path.join(out_dir, "tokenizer.json")):
+        _add_tokenizer(out_dir)   # written before a tokenizer was found (e.g. by a Python without the GGUF)
+    return out_dir
+
+
+def _add_tokenizer(out_dir: str) -> None:
+    """Copy the tokenizer files (``find_tokenizer_dir``) into a dir that lacks them, each through
+    a temp name and a rename, so a racing reader sees a file whole or not at all."""
+    tokenizer_src = find_tokenizer_dir()
+    if tokenizer_src is None:
+        return
+    for name in TOKENIZER_FILES:
+        src = os.path.join(tokenizer_src, name)
+        if os.path.isfile(src):
+            tmp = os.path.join(out_dir, f".{name}.{os.getpid()}.tmp")
+            shutil.copy(src, tmp)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, os.path.join(out_dir, name))
 
 
 def _write_dir(out_dir: str, model: str, preset: str, seed: int) -> None:
@@ -222,10 +240,7 @@ def _write_dir(out_dir: str, model: str, preset: str, seed: int) -> None:
     GenerationConfig(bos_token_id=SMOLLM2_BOS, eos_token_id=SMOLLM2_EOS,
                      pad_token_id=SMOLLM2_EOS).save_pretrained(out_dir)
     tokenizer_src = find_tokenizer_dir()
-    if tokenizer_src is not None:
-        for name in TOKENIZER_FILES:
-            if os.path.isfile(os.path.join(tokenizer_src, name)):
-                shutil.copy(os.path.join(tokenizer_src, name), out_dir)
+    _add_tokenizer(out_dir)
     marker = {"spec": model, "preset": preset, "seed": seed, "init": FAN_IN_INIT,
               "weights": "random weights", "tokenizer_source": tokenizer_src}
     with open(os.path.join(out_dir, RANDOM_MARKER), "w") as fh:
