@@ -162,10 +162,9 @@ class StepLoop:
     def _num_decode_steps(self, requests: list[RequestState]) -> int:
         """Tokens per request that this ``ar`` step's Verify call decodes: ``num_decode_steps``,
         at most what the request with the most left still needs (``max_tokens``) and what the
-        fullest context window leaves (``coordinator.context_window``); one while a waiting
-        request could be admitted (it is admitted between steps: its first token comes sooner)."""
+        fullest context window leaves (``coordinator.context_window``)."""
         n = self.cfg.num_decode_steps
-        if n == 1 or not requests or (self.waiting and len(self.running) < self.max_num_running):
+        if n == 1 or not requests:
             return 1
         wanted = max(r.finish_params.max_tokens - len(r.output_token_ids) for r in requests)
         room = min(self.limits.decode_room(len(r.prompt_token_ids) + len(r.output_token_ids)) for r in requests)

@@ -123,24 +123,3 @@ def test_coordinator_multi_step_output_equals_reference(mode: str) -> None:
         assert seen_many and max(seen_many) == 6 and steps_many < steps_one / 2
         longest = max(s["max_tokens"] for _, _, s in work)
         assert all(2 <= n <= min(6, longest) for n in seen_many)
-
-
-def test_a_waiting_request_that_fits_gets_a_one_token_step() -> None:
-    """A newcomer is admitted between steps: while one waits with room, ar steps decode 1 token."""
-    from coordinator_harness import wait_until
-
-    async def main():
-        async with Harness(mode="ar", max_num_seqs=2, num_decode_steps=6, delay_s=0.01) as h:
-            call = asyncio.ensure_future(h.generate("long", [3, 5, 1], max_tokens=60, ignore_eos=True))
-            await wait_until(lambda: "long" in h.scheduler.running)
-            running = list(h.scheduler.running.values())
-            assert h.scheduler._num_decode_steps(running) == 6
-            h.scheduler.waiting["newcomer"] = object()      # as if queued, with a free slot
-            try:
-                assert h.scheduler._num_decode_steps(running) == 1
-            finally:
-                del h.scheduler.waiting["newcomer"]
-            tokens, reason, _ = await call
-            assert len(tokens) == 60 and reason == "length"
-
-    asyncio.run(main())
