@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-python", default="", help="the Python of vLLM engines ('' = found)")
     p.add_argument("--tiny", action="store_true", help="tiny random target and draft instead of SmolLM2")
     p.add_argument("--no-reference", action="store_true", help="skip the ar reference (greedy not compared)")
+    p.add_argument("--no-retry", action="store_true", help="do not re-send requests refused while the coordinator "
+                                                         "is down (they then count as unavailable_while_down)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's RNG")
     p.add_argument("--deadline", type=float, default=600.0, help="seconds per stream before it counts as hung")
     p.add_argument("--runs-dir", default="runs")
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             slots = slots_in_use(stack.cfg)
             status = coordinator_status(stack.cfg)
             run_dir = stack.run_dir
-    summary = summarize(results, kills, reference, slots, wall_s)
+    summary = summarize(results, kills, reference, slots, wall_s, start)
     expected = tuple(name for name, at in (("drafter", args.kill_drafter_at), ("coordinator", args.kill_coordinator_at))
                      if at >= 0 and (name != "drafter" or args.mode != "ar"))
     summary = {"goals": goals(summary, expected), **summary, "reference_s": round(ref_s, 1),
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
-    skip = ("args", "failures", "killed_in_flight_sample", "unavailable_while_down_sample", "hung_sample",
+    skip = ("args", "requests", "failures", "killed_in_flight_sample", "unavailable_while_down_sample", "hung_sample",
             "supervisor_log")
     print(json.dumps({k: v for k, v in summary.items() if k not in skip}, indent=2))
     return 0 if all(summary["goals"].values()) else 1

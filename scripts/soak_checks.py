@@ -70,7 +70,7 @@ def percentile_ms(values: list[float], q: int) -> float | None:
 
 
 def summarize(results: list[dict], kills: list[dict], reference: dict[str, list[int]], slots: dict[str, int],
-              wall_s: float) -> dict:
+              wall_s: float, t0: float = 0.0) -> dict:
     """The figures of one run (without args / stack details); see ``goals``."""
     classes = [classify(r, kills) for r in results]
     counts = collections.Counter(classes)
@@ -88,6 +88,8 @@ def summarize(results: list[dict], kills: list[dict], reference: dict[str, list[
                                            "unavailable_while_down", "hung")},
         "by_kind": dict(collections.Counter(r["plan"]["kind"] for r in results)),
         "completed_by_kind": dict(collections.Counter(r["plan"]["kind"] for r in completed)),
+        "retried_requests": sum(r.get("retries", 0) > 0 for r in results),
+        "retries": sum(r.get("retries", 0) for r in results),
         "failed_by_code": codes("failed"), "killed_in_flight_by_code": codes("killed_in_flight"),
         "finish_reasons": dict(collections.Counter(c["finish_reason"] for r in completed for c in r["choices"])),
         "completion_tokens": sum(c["completion_tokens"] for r in completed for c in r["choices"]),
@@ -96,10 +98,19 @@ def summarize(results: list[dict], kills: list[dict], reference: dict[str, list[
         "slots_in_use_after_drain": slots, "leaked_slots": slots_leaked(slots),
         "latency_ms": {"p50": percentile_ms(latencies, 50), "p99": percentile_ms(latencies, 99)},
         "ttft_ms": {"p50": percentile_ms(ttfts, 50), "p99": percentile_ms(ttfts, 99)},
-        "kills": kills,
+        "kills": [{**k, "killed_s": round(k["killed_at"] - t0, 3),
+                   "serving_s": None if k.get("serving_at") is None else round(k["serving_at"] - t0, 3)} for k in kills],
+        "requests": [request_record(r, c, t0) for r, c in zip(results, classes)],
         "failures": sample("failed"), "killed_in_flight_sample": sample("killed_in_flight"),
         "unavailable_while_down_sample": sample("unavailable_while_down"), "hung_sample": sample("hung"),
     }
+
+
+def request_record(result: dict, cls: str, t0: float) -> dict:
+    """One request in the JSON: id, kind, class, code, start and end (s after ``t0``), retries."""
+    return {"id": result["request_id"], "kind": result["plan"]["kind"], "class": cls, "code": result.get("code"),
+            "start_s": round(result["start"] - t0, 3), "end_s": round(result["end"] - t0, 3),
+            "retries": result.get("retries", 0)}
 
 
 def goals(summary: dict, expected_kills: tuple[str, ...]) -> dict[str, bool]:

@@ -2,7 +2,8 @@
 
 A plan is drawn from a seeded RNG: its kind (greedy, seeded sampled, unseeded sampled, penalty,
 n=2), sampling parameters, stop strings, and an abort point (client cancel or the Abort RPC after
-a random number of chunks). ``run_one`` sends it and returns its outcome: ``completed``,
+a random number of chunks). ``run_one`` sends it (again while the gateway answers that it cannot
+connect to the coordinator, as a client would) and returns its outcome: ``completed``,
 ``aborted``, ``failed`` (with the status code) or ``hung`` (the stream did not end within the
 deadline), with its start/end times (``time.monotonic``) and every choice's token ids.
 """
@@ -61,27 +62,50 @@ def greedy_key(plan: dict) -> str:
     return f"{plan['prompt']}|{penalties}"
 
 
-async def run_one(client: AsyncMineDraftClient, plan: dict, deadline_s: float) -> dict:
-    """Send one request; its outcome, ``start``/``end`` (monotonic s) and the choices' outputs."""
+REFUSED = "failed to connect"  # gRPC's words when the connection is refused: the request reached no coordinator
+RETRY_BACKOFF_S = 0.2
+
+
+def is_refused(result: dict) -> bool:
+    """UNAVAILABLE before any token because the gateway could not connect to the coordinator (it
+    is down): safe to send again, as a client does; a stream cut in flight is not retried."""
+    return (result["outcome"] == "failed" and result["code"] == "UNAVAILABLE" and result["num_chunks"] == 0
+            and REFUSED in result["message"])
+
+
+async def run_one(client: AsyncMineDraftClient, plan: dict, deadline_s: float, retry_refused: bool = True) -> dict:
+    """Send one request (again, after ``RETRY_BACKOFF_S``, while it is refused and ``retry_refused``);
+    its outcome, ``start``/``end`` (monotonic s), refusals retried, and the choices' outputs."""
+    start, retries = time.monotonic(), 0
+    while True:
+        result = await _send(client, plan, max(deadline_s - (time.monotonic() - start), 0.01))
+        if not (retry_refused and is_refused(result) and time.monotonic() - start < deadline_s):
+            return {**result, "start": start, "end": time.monotonic(), "retries": retries}
+        retries += 1
+        await asyncio.sleep(RETRY_BACKOFF_S)
+
+
+async def _send(client: AsyncMineDraftClient, plan: dict, deadline_s: float) -> dict:
     request = build_request(messages=[{"role": "user", "content": plan["prompt"]}], request_id=plan["request_id"],
                             n=plan["n"], best_of=plan["best_of"], **plan["sampling"])
-    start = time.monotonic()
+    start, state = time.monotonic(), {"num_chunks": 0}
     try:
         async with contextlib.aclosing(client.stream(request)) as stream:  # leaving it cancels the call
-            result = await asyncio.wait_for(_consume(client, plan, stream, start), deadline_s)
+            result = await asyncio.wait_for(_consume(client, plan, stream, start, state), deadline_s)
     except asyncio.TimeoutError:
-        result = {"outcome": "hung", "message": f"stream not ended within {deadline_s} s"}
+        result = {"outcome": "hung", "message": f"stream not ended within {deadline_s:.0f} s"}
     except (grpc.RpcError, GenerationError) as exc:
         code = exc.code().name if isinstance(exc, grpc.RpcError) else grpc.StatusCode(_code(exc.code)).name
         message = exc.details() if isinstance(exc, grpc.RpcError) else exc.message
         result = {"outcome": "failed", "code": code, "message": str(message)[:300]}
-    return {**result, "start": start, "end": time.monotonic()}
+    return {**result, "num_chunks": state["num_chunks"]}
 
 
-async def _consume(client: AsyncMineDraftClient, plan: dict, stream, start: float) -> dict:
-    """Read ``stream`` until all n choices completed, aborting it per ``plan["abort"]``."""
+async def _consume(client: AsyncMineDraftClient, plan: dict, stream, start: float, state: dict) -> dict:
+    """Read ``stream`` until all n choices completed, aborting it per ``plan["abort"]``; counts
+    chunks with tokens in ``state["num_chunks"]``."""
     num_choices, choices = max(plan["n"], 1), {}
-    ttft, num_chunks, abort = None, 0, plan["abort"]
+    ttft, abort = None, plan["abort"]
     async for response in stream:
         kind = response.WhichOneof("response")
         if kind == "error":
@@ -99,8 +123,8 @@ async def _consume(client: AsyncMineDraftClient, plan: dict, stream, start: floa
             continue
         if response.chunk.token_ids:
             ttft = ttft if ttft is not None else time.monotonic() - start
-            num_chunks += 1
-        if abort is not None and num_chunks >= abort[1]:
+            state["num_chunks"] += 1
+        if abort is not None and state["num_chunks"] >= abort[1]:
             if abort[0] == "cancel":
                 return {"outcome": "aborted", "how": "cancel"}  # leaving the loop cancels the call
             await client.abort(plan["request_id"])
@@ -121,7 +145,7 @@ async def run_workload(address: str, plans: list[dict], args, done: list[int]) -
     async with AsyncMineDraftClient(address, timeout_s=args.deadline + 60) as client:
         async def one(plan: dict) -> None:
             async with limiter:
-                outcome = await run_one(client, plan, args.deadline)
+                outcome = await run_one(client, plan, args.deadline, not args.no_retry)
             results.append({**outcome, "request_id": plan["request_id"], "plan": plan})
             done[0] += 1
 

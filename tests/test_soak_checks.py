@@ -10,6 +10,8 @@ import random
 import sys
 from types import SimpleNamespace
 
+import grpc
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
 from minedraft.v1 import common_pb2, generate_pb2  # noqa: E402
@@ -119,3 +121,41 @@ def test_run_one_hung_stream_and_n_choices():
     client = _Client([chunk, _complete(0, [3], "abort"), _complete(1, [3], "abort")])
     aborted = asyncio.run(run_one(client, {**plan, "abort": ("rpc", 1)}, deadline_s=5))
     assert aborted["outcome"] == "aborted" and client.aborted == ["r"]
+
+
+class _RpcError(grpc.RpcError):
+    def __init__(self, code, details) -> None:
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+class _FlakyClient(_Client):
+    """Raises ``errors`` (one per call) before serving the responses."""
+
+    def __init__(self, responses, errors) -> None:
+        super().__init__(responses)
+        self.errors, self.calls = list(errors), 0
+
+    async def stream(self, request):
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        for response in self.responses:
+            yield response
+
+
+def test_run_one_resends_only_refused_requests():
+    refused = _RpcError(grpc.StatusCode.UNAVAILABLE, "coordinator: failed to connect to all addresses")
+    client = _FlakyClient([_complete(0, [3])], [refused, refused])
+    result = asyncio.run(run_one(client, _plan(), deadline_s=5))
+    assert result["outcome"] == "completed" and result["retries"] == 2 and client.calls == 3
+    cut = _RpcError(grpc.StatusCode.UNAVAILABLE, "coordinator: Stream removed (Socket closed)")
+    result = asyncio.run(run_one(_FlakyClient([_complete(0, [3])], [cut]), _plan(), deadline_s=5))
+    assert result["outcome"] == "failed" and result["retries"] == 0  # in flight: not hidden by a retry
+    result = asyncio.run(run_one(_FlakyClient([_complete(0, [3])], [refused]), _plan(), deadline_s=5, retry_refused=False))
+    assert result["outcome"] == "failed" and result["code"] == "UNAVAILABLE"
