@@ -28,12 +28,15 @@ SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, inte
     ("psd-vllm", SystemName("ours", "psd", "vllm")),
     ("ar-native", SystemName("ours", "ar", "native")),
     ("auto-vllm", SystemName("ours", "auto", "vllm")),
+    ("ar-vllm-ds16", SystemName("ours", "ar", "vllm", decode_steps=16)),
+    ("psd-native-ds1", SystemName("ours", "psd", "native", decode_steps=1)),
 ])
 def test_parse_system_reads_every_form(name, expected):
     assert parse_system(name) == expected
 
 
-@pytest.mark.parametrize("name", ["vllm-sd-k0", "vllm-sd", "vllm-sd-kx", "vllm-psd", "psd", "psd-tgi", "xyz-vllm", ""])
+@pytest.mark.parametrize("name", ["vllm-sd-k0", "vllm-sd", "vllm-sd-kx", "vllm-psd", "psd", "psd-tgi", "xyz-vllm", "",
+                                  "ar-vllm-ds0", "ar-vllm-ds65", "vllm-ar-ds8", "ar-vllm-dsx"])
 def test_parse_system_refuses_unknown_names_naming_them(name):
     with pytest.raises(ValueError, match=f"unknown system '{name}'"):
         parse_system(name)

@@ -1,7 +1,8 @@
 """The systems of ``bench.engines.engines_compare``: our stack on either engine backend, vLLM's own server.
 
-Names: ``<mode>-<engine>`` for ours (mode ``ar``/``sd``/``psd``/``auto``, engine ``vllm`` or
-``native``), ``vllm-ar`` and ``vllm-sd-k<K>`` for vLLM. Start/stop and metrics are those of
+Names: ``<mode>-<engine>[-ds<N>]`` for ours (mode ``ar``/``sd``/``psd``/``auto``, engine ``vllm``
+or ``native``; ``-ds<N>``: ``--decode-steps N`` for this system, else the run's), ``vllm-ar`` and
+``vllm-sd-k<K>`` for vLLM. Start/stop and metrics are those of
 ``bench.common.systems.OursSystem`` / ``VllmSystem`` (subclassed: only the command lines differ).
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from minedraft.engine_backend import ENGINES, OWN_GPU_UTILIZATION, engine_python
 
 OUR_MODES = ("ar", "sd", "psd", "auto")
 _VLLM_SD = re.compile(r"^vllm-sd-k(\d+)$")
+_DECODE_STEPS = re.compile(r"^(.*)-ds(\d+)$")
 SERVED_MODEL = "minedraft-bench-target"
 
 
@@ -25,6 +27,7 @@ class SystemName:
     mode: str              # ours: ar/sd/psd/auto; vLLM: ar/sd
     engine: str = ""       # ours: vllm/native
     k: int | None = None   # vLLM sd: num_speculative_tokens
+    decode_steps: int | None = None  # ours: --decode-steps of this system (None: the run's)
 
 
 def parse_system(name: str) -> SystemName:
@@ -34,11 +37,14 @@ def parse_system(name: str) -> SystemName:
     match = _VLLM_SD.match(name)
     if match and int(match.group(1)) >= 1:
         return SystemName("vllm", "sd", k=int(match.group(1)))
-    mode, _, engine = name.partition("-")
+    base, decode_steps = name, None
+    if (steps := _DECODE_STEPS.match(name)) and 1 <= int(steps.group(2)) <= 64:
+        base, decode_steps = steps.group(1), int(steps.group(2))
+    mode, _, engine = base.partition("-")
     if mode in OUR_MODES and engine in ENGINES:
-        return SystemName("ours", mode, engine)
+        return SystemName("ours", mode, engine, decode_steps=decode_steps)
     raise ValueError(f"systems: unknown system {name!r} (forms: vllm-ar, vllm-sd-k<K>, "
-                     f"<{'|'.join(OUR_MODES)}>-<{'|'.join(ENGINES)}>)")
+                     f"<{'|'.join(OUR_MODES)}>-<{'|'.join(ENGINES)}>[-ds<N>], N in [1, 64])")
 
 
 def synthetic_rates(p: float, k: int) -> list[float]:
@@ -70,7 +76,8 @@ class OursServer(OursSystem):
             data_plane="inline" if system.engine == "vllm" or not is_cuda else "ipc",
             gateway_port=gateway, coordinator_port=coordinator, drafter_port=drafter, verifier_port=verifier,
             dist_port=dist, http_port=http, step_log=self._step_log, runs_dir=logs_dir,
-            startup_timeout_s=cfg.startup_timeout_s, num_decode_steps=cfg.decode_steps)
+            startup_timeout_s=cfg.startup_timeout_s,
+            num_decode_steps=cfg.decode_steps if system.decode_steps is None else system.decode_steps)
         self._stack = Stack(stack, run_dir=logs_dir)
         self._model_dir = resolve_model_dir(cfg.target)
         self.endpoint = Endpoint(f"http://127.0.0.1:{http}/v1", os.path.basename(os.path.normpath(cfg.target)),
