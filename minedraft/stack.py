@@ -12,6 +12,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from gateway.config import DEFAULT_MAX_N
 from specdec.sample.bench_only import check_acceptance_prob, fixed_acceptance_label
 from minedraft.engine_backend import ENGINES, engine_python, vllm_service_args
 from minedraft.placement import NO_GPU, NO_GPUS, Placement
@@ -320,11 +321,15 @@ def _batched_tokens(cfg: StackConfig) -> int:
 
 
 def gateway_spec(cfg: StackConfig, model_dir: str, draft_name: str) -> ServiceSpec:
+    """The gateway's command line. Its ``--max-n`` is at most the coordinator's ``max_queue_len``:
+    the ``best_of`` samples of a request are queued together, so a larger one could never be
+    admitted (HTTP 400 / INVALID_ARGUMENT naming ``n`` or ``best_of`` instead of 429 forever)."""
     argv = [sys.executable, "-m", "gateway", "--tokenizer", model_dir,
             "--coordinator", f"{cfg.host}:{cfg.coordinator_port}", "--host", cfg.host,
             "--port", str(cfg.gateway_port), "--model-name", os.path.basename(os.path.normpath(cfg.target)),
             "--draft-name", draft_name, "--max-model-len", str(cfg.max_model_len),
-            "--http-port", str(cfg.http_port), "--grace", repr(cfg.grace_s)]
+            "--http-port", str(cfg.http_port), "--grace", repr(cfg.grace_s),
+            "--max-n", str(min(DEFAULT_MAX_N, cfg.max_queue_len))]
     env = {**cfg.placement.torch_free_env(), **({"MINEDRAFT_API_KEY": cfg.api_key} if cfg.api_key else {})}
     return ServiceSpec("gateway", argv, f"{cfg.host}:{cfg.gateway_port}", env=env)
 

@@ -208,6 +208,18 @@ def test_up_passes_api_key_queue_limit_and_grace_to_the_services():
     assert "MINEDRAFT_API_KEY" not in plain.env
 
 
+@pytest.mark.parametrize("queue_len, max_n", [(7, "7"), (1024, "16")])
+def test_up_caps_the_gateways_choices_at_the_coordinators_queue(queue_len, max_n):
+    """Break-it finding: ``n`` / ``best_of`` samples are queued together, so with more than
+    ``--max-queue-len`` of them a request was refused with 429 on every retry; the gateway's
+    ``--max-n`` now stops it with 400 naming ``n`` / ``best_of``."""
+    from minedraft.cli import build_parser, stack_config
+
+    args = build_parser().parse_args(["up", "--max-queue-len", str(queue_len), "--draft", "/d"])
+    gateway = {s.name: s for s in build_service_specs(stack_config(args, args.mode), "/target")}["gateway"].argv
+    assert gateway[gateway.index("--max-n") + 1] == max_n
+
+
 def test_up_passes_decode_steps_to_the_coordinator():
     from minedraft.cli import build_parser, stack_config
 
