@@ -25,7 +25,7 @@ from gateway.config import GatewayConfig
 from gateway.output import RequestOutput
 from gateway.tokenizer import PromptTokenizer
 from gateway.tracing import traced_generate
-from gateway.validation import InvalidRequestError, PreparedRequest, prepare_request
+from gateway.validation import MAX_REQUEST_ID_CHARS, InvalidRequestError, PreparedRequest, check_wire, prepare_request
 from gateway.wire import MalformedRequest
 
 logger = logging.getLogger(__name__)
@@ -240,8 +240,9 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
 
     async def Abort(self, request, context):
         await _refuse_malformed(request, context)
-        if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+        if not request.request_id or len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request_id: must have 1 to {MAX_REQUEST_ID_CHARS} characters, got {len(request.request_id)}")
         owner = self._in_flight.get(request.request_id)
         if owner is None:
             return common_pb2.AbortResponse(found=False)
@@ -259,9 +260,14 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
 
 
 async def _refuse_malformed(request, context) -> None:
-    """INVALID_ARGUMENT for a body that did not parse (``gateway.wire.MalformedRequest``)."""
+    """INVALID_ARGUMENT for a body that did not parse (``gateway.wire.MalformedRequest``) or that
+    holds unknown fields (``gateway.validation.check_wire``)."""
     if isinstance(request, MalformedRequest):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message())
+    try:
+        check_wire(request)
+    except InvalidRequestError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
 def _error(request_id: str, code: grpc.StatusCode, message: str) -> generate_pb2.GenerateResponse:

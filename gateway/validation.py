@@ -179,9 +179,9 @@ def _resolve_max_tokens(requested: int, prompt_len: int, cfg: GatewayConfig) -> 
     return requested
 
 
-def _check_wire(message, path: str) -> None:
+def check_wire(message, path: str = "") -> None:
     """Refuse unknown fields (or known ones with the wrong wire type) in ``message`` and in every
-    sub-message it holds, naming where they came."""
+    sub-message it holds, naming where they came. Raises InvalidRequestError."""
     from google.protobuf import unknown_fields
 
     unknown = unknown_fields.UnknownFieldSet(message)
@@ -195,13 +195,13 @@ def _check_wire(message, path: str) -> None:
         name = f"{path}.{descriptor.name}" if path else descriptor.name
         if descriptor.is_repeated:
             for index, item in enumerate(value):
-                _check_wire(item, f"{name}[{index}]")
+                check_wire(item, f"{name}[{index}]")
         else:
-            _check_wire(value, name)
+            check_wire(value, name)
 
 
 def _check_request_fields(request: generate_pb2.GenerateRequest, cfg: GatewayConfig) -> None:
-    _check_wire(request, "")
+    check_wire(request, "")
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got "
                                                 f"{len(request.request_id)}")

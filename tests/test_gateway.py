@@ -280,3 +280,22 @@ def test_unknown_fields_and_wrong_wire_types_are_refused_naming_where(client, st
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith(f"{where}: unknown field number"), info.value.details()
     assert [m.id for m in client.list_models()] == [MODEL_NAME]
+
+
+@pytest.mark.parametrize("method, body, details", [
+    ("Abort", bytes([0x0A, 1, 0x61, 0xC8, 0x3E, 0x01]), "request: unknown field number"),   # id "a" + field 1001
+    ("Abort", bytes([0x08, 0x05]), "request: unknown field number"),                       # request_id as a varint
+    ("ListModels", bytes([0xC8, 0x3E, 0x01]), "request: unknown field number"),
+    ("Abort", bytes([0x0A, 0x82, 0x08]) + b"a" * 1026, "request_id: must have 1 to 512 characters"),
+], ids=["abort-unknown-field", "abort-wrong-wire-type", "list-models-unknown-field", "abort-long-id"])
+def test_abort_and_list_models_refuse_unknown_fields_and_long_ids(client, stack, method, body, details):
+    """Break-it finding: the wire check of issue 25.4 covered Generate only."""
+    _, port = stack
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary(f"/minedraft.v1.MineDraft/{method}", request_serializer=None,
+                                   response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            call(body, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(details), info.value.details()
+    assert [m.id for m in client.list_models()] == [MODEL_NAME]
