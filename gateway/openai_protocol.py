@@ -282,10 +282,17 @@ def chat_to_generate(body: ChatCompletionRequest, request_id: str) -> generate_p
 
 def openai_param(field: str, body: _SamplingFields) -> str:
     """The OpenAI parameter name for a ``gateway.validation`` field name
-    (``sampling.top_p`` -> ``top_p``; ``sampling.logprobs`` -> ``top_logprobs`` for chat)."""
+    (``sampling.top_p`` -> ``top_p``; ``sampling.logprobs`` -> ``top_logprobs`` for chat;
+    ``prompt_token_ids[2]`` -> ``prompt[2]``; ``sampling.stop[0]`` -> ``stop`` when the body's
+    ``stop`` is one string)."""
     name = field.removeprefix("sampling.")
-    if name == "prompt_token_ids":
-        return "prompt"
+    if name.startswith("prompt_token_ids"):  # prompt_token_ids[i] -> prompt[i] (or prompt[0][i])
+        index = name.removeprefix("prompt_token_ids")
+        is_nested = isinstance(getattr(body, "prompt", None), list) and bool(body.prompt) \
+            and isinstance(body.prompt[0], list)
+        return "prompt" + ("[0]" if is_nested and index else "") + index
+    if name.startswith("stop[") and isinstance(getattr(body, "stop", None), str):
+        return "stop"  # one stop string, sent as a string
     if name == "logprobs" and isinstance(body, ChatCompletionRequest):
         return "top_logprobs"
     if name == "max_tokens" and isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:

@@ -119,9 +119,7 @@ def _tokenize_input(request: generate_pb2.GenerateRequest, tokenizer: PromptToke
     ids = list(request.prompt_token_ids.ids)
     if not ids:
         raise InvalidRequestError("prompt_token_ids", "must not be empty")
-    bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
-    if bad:
-        raise InvalidRequestError("prompt_token_ids", f"ids out of [0, {tokenizer.vocab_size}): {bad[:5]}")
+    _check_token_ids("prompt_token_ids", ids, tokenizer.vocab_size)
     return ids
 
 
@@ -143,14 +141,21 @@ def _check_sampling(s: common_pb2.SamplingParams, vocab_size: int, max_num_stops
         raise InvalidRequestError("sampling.logprobs", f"must be <= {MAX_TOP_LOGPROBS}, got {s.logprobs}")
     if len(s.stop) > max_num_stops:
         raise InvalidRequestError("sampling.stop", f"at most {max_num_stops} stop strings, got {len(s.stop)}")
-    if any(not stop for stop in s.stop):
-        raise InvalidRequestError("sampling.stop", "stop strings must not be empty")
-    if any(len(stop) > MAX_STOP_STRING_CHARS for stop in s.stop):
-        raise InvalidRequestError("sampling.stop", f"stop strings of at most {MAX_STOP_STRING_CHARS} characters, got "
-                                                   f"{max(len(stop) for stop in s.stop)}")
-    bad = [t for t in s.stop_token_ids if not 0 <= t < vocab_size]
+    for i, stop in enumerate(s.stop):
+        if not stop:
+            raise InvalidRequestError(f"sampling.stop[{i}]", "stop strings must not be empty")
+        if len(stop) > MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError(f"sampling.stop[{i}]", f"stop strings of at most {MAX_STOP_STRING_CHARS} "
+                                                             f"characters, got {len(stop)}")
+    _check_token_ids("sampling.stop_token_ids", list(s.stop_token_ids), vocab_size)
+
+
+def _check_token_ids(field: str, ids: list[int], vocab_size: int) -> None:
+    """Token ids in [0, vocab_size); the error names the first bad one's index (``field[i]``)."""
+    bad = [i for i, t in enumerate(ids) if not 0 <= t < vocab_size]
     if bad:
-        raise InvalidRequestError("sampling.stop_token_ids", f"ids out of [0, {vocab_size}): {bad[:5]}")
+        raise InvalidRequestError(f"{field}[{bad[0]}]", f"ids out of [0, {vocab_size}): "
+                                                        f"{[ids[i] for i in bad[:5]]}")
 
 
 def _check_penalties(s: common_pb2.SamplingParams) -> None:
