@@ -223,7 +223,7 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
             yield _error(request_id, grpc.StatusCode.INTERNAL, "coordinator stream ended without a finish")
         except grpc.aio.AioRpcError as exc:
             is_done = True
-            yield _error(request_id, exc.code(), f"coordinator: {exc.details()}")
+            yield _error(request_id, exc.code(), _coordinator_error(exc, len(output.output_token_ids)))
         finally:
             if not is_done:  # client cancelled or the stream broke: free the slots
                 owner.is_closing = True
@@ -268,6 +268,16 @@ async def _refuse_malformed(request, context) -> None:
         check_wire(request)
     except InvalidRequestError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+def _coordinator_error(exc: grpc.aio.AioRpcError, num_sent: int) -> str:
+    """The message for a coordinator call that failed: a broken connection (the coordinator
+    restarted or died: gRPC's own "Stream removed" / "Socket closed") says so, and how much of the
+    output had been sent, so a client knows it may send the request again."""
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        return (f"coordinator unavailable: the connection broke while the request ran ({exc.details()}) "
+                f"after {num_sent} output tokens; the request can be sent again")
+    return f"coordinator: {exc.details()}"
 
 
 def _error(request_id: str, code: grpc.StatusCode, message: str) -> generate_pb2.GenerateResponse:

@@ -40,6 +40,7 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.error: common_pb2.GenerateError | None = None
         self.error_ids: set[str] = set()
         self.is_seeded_sampling = False
+        self.break_after_steps: int | None = None  # the stream breaks (UNAVAILABLE) after this many chunks
 
     async def Generate(self, request, context):
         self.requests.append(request)
@@ -49,6 +50,8 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
             return
         num_emitted = 0
         for step, ids in enumerate(self.script):
+            if step == self.break_after_steps:  # as a coordinator killed in flight looks to its client
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "Stream removed")
             if request.request_id in self.aborted:
                 yield coordinator_pb2.CoordinatorGenerateResponse(finished=coordinator_pb2.Finished(finish_reason="abort"))
                 return

@@ -218,6 +218,25 @@ def test_coordinator_error_is_forwarded_in_stream(client, stack):
         fake.error = None
 
 
+def test_a_coordinator_lost_in_flight_is_named_with_the_tokens_sent(client, stack, tokenizer):
+    """Break-it finding: a coordinator killed mid-stream gave the raw "coordinator: Stream removed"."""
+    fake, _ = stack
+    saved, ok_ids = fake.script, tokenizer.encode("ok", add_special_tokens=False)
+    fake.script, fake.break_after_steps = [ok_ids] * 4, 2
+    try:
+        responses = list(client.stream(build_request("hi", max_tokens=8)))
+    finally:
+        fake.script, fake.break_after_steps = saved, None
+    chunks = [r.chunk for r in responses if r.WhichOneof("response") == "chunk"]
+    error = responses[-1].error
+    assert responses[-1].WhichOneof("response") == "error" and error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    num_sent = sum(len(c.token_ids) for c in chunks)
+    assert num_sent == 2 * len(ok_ids)
+    assert error.message.startswith("coordinator unavailable: the connection broke while the request ran"), error
+    assert f"after {num_sent} output tokens" in error.message and "sent again" in error.message, error
+    assert [m.id for m in client.list_models()] == [MODEL_NAME]
+
+
 def test_concurrent_text_and_chat_requests_keep_their_special_token_handling(client, stack, tokenizer):
     fake, _ = stack
     fake.script = [tokenizer.encode("ok", add_special_tokens=False)]
