@@ -19,8 +19,9 @@ API, following vLLM's OpenAI server (https://docs.vllm.ai/en/latest/serving/open
 - Values valid JSON can carry but the protobuf wire cannot are refused with 400 naming the field
   (pydantic, before any translation): integers outside the int32 (int64 for ``seed``) proto
   field, and text holding a lone UTF-16 surrogate (e.g. the JSON escape ``"\ud800"``).
-- JSON ``true`` / ``false`` is refused where a number is expected (pydantic's lax mode would read
-  it as 1 / 0): ``"max_tokens": true`` and ``"prompt": [true, false]`` are 400 naming the field.
+- JSON ``true`` / ``false`` and strings are refused where a number is expected (pydantic's lax
+  mode would read them as 1 / 0 and ``"3"`` as 3): ``"max_tokens": true``, ``"n": "2"`` and
+  ``"prompt": [true, false]`` are 400 naming the field.
 - JSON ``null`` in an optional field means "not given" (its default), as in vLLM: ``"n": null``
   is ``n`` 1, ``"stream": null`` is false.
 - Options this server does not implement are accepted at their no-op value and refused (400 naming
@@ -55,9 +56,12 @@ def _utf8_text(text: str) -> str:
 
 
 def _not_bool(value):
-    """``value`` unchanged; ValueError for a bool (JSON ``true`` would pass pydantic's lax int / float as 1)."""
+    """``value`` unchanged; ValueError for a bool or a string (JSON ``true`` or ``"1"`` would pass
+    pydantic's lax int / float as 1)."""
     if isinstance(value, bool):
         raise ValueError(f"expected a number, got {str(value).lower()}")
+    if isinstance(value, str):  # pydantic's lax mode would read "3" as 3; OpenAI's API refuses it
+        raise ValueError(f"expected a number, got the string {value[:32]!r}")
     return value
 
 

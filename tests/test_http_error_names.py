@@ -34,6 +34,9 @@ COMPLETIONS = [  # (body, param): each named a gRPC path or another style before
     ({"prompt": [1, 2, 10**6]}, "prompt[2]"),
     ({"prompt": [[1, 10**6]]}, "prompt[0][1]"),
     ({"prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids[0]"),
+    ({"prompt": "hi", "n": "2"}, "n"),
+    ({"prompt": "hi", "best_of": "2"}, "best_of"),
+    ({"prompt": "hi", "temperature": "0.5"}, "temperature"),
     ({"prompt": "hi", "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
 ]
 CHATS = [
