@@ -168,10 +168,38 @@ class Scheduler(StepLoop):
     async def _iterate(self) -> None:
         await self._sync()
         await self._admit()
-        if self.running:
+        if self.running and self._admits_during_step:
+            await self._step_admitting()
+        elif self.running:
             await self.step()
         elif not self.waiting and not self._to_release:
             await self._wait_for_work()
+
+    @property
+    def _admits_during_step(self) -> bool:
+        """``ar`` with multi-step decoding: a step is long (``num_decode_steps`` tokens per
+        request), so newcomers are admitted while it runs rather than after it."""
+        return self.cfg.mode == Mode.AR and self.cfg.num_decode_steps > 1
+
+    async def _step_admitting(self) -> None:
+        """One step, with the requests that arrive meanwhile admitted at once: their prefill
+        goes to the verifier beside the running Verify call (the vLLM engine prefills them
+        between two of the call's decode steps and answers with the first token: TTFT; the
+        native engine after the call), and they decode from the next step on. The step's
+        error, if any, is raised once the admissions under way have finished."""
+        step = asyncio.ensure_future(self.step())
+        try:
+            while not step.done():
+                arrival = asyncio.ensure_future(self._wakeup.wait())
+                await asyncio.wait({step, arrival}, return_when=asyncio.FIRST_COMPLETED)
+                arrival.cancel()
+                self._wakeup.clear()  # arrivals during the admission below wake the next wait
+                if not step.done() and self.waiting:
+                    await self._admit()
+        finally:
+            if not step.done():
+                await asyncio.wait({step})
+        step.result()
 
     async def _wait_for_work(self) -> None:
         """Sleep until a request arrives, or until the drafter's next probe (while it is away) or idle

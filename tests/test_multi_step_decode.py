@@ -123,3 +123,38 @@ def test_coordinator_multi_step_output_equals_reference(mode: str) -> None:
         assert seen_many and max(seen_many) == 6 and steps_many < steps_one / 2
         longest = max(s["max_tokens"] for _, _, s in work)
         assert all(2 <= n <= min(6, longest) for n in seen_many)
+
+
+def test_a_request_arriving_during_a_multi_step_call_is_admitted_at_once() -> None:
+    """``ar`` with ``--decode-steps``: a newcomer's prefill goes to the verifier while the
+    running Verify call decodes (the coordinator does not wait for the call to end), so its first
+    token (TTFT) comes before the running request's next block; both outputs stay the reference."""
+    from minedraft.v1 import common_pb2
+
+    events: list[tuple[str, int]] = []
+
+    async def stream(h, rid: str, prompt: list[int], max_tokens: int, started: asyncio.Event | None = None):
+        call = h.stub.Generate(coordinator_pb2.CoordinatorGenerateRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens)))
+        tokens: list[int] = []
+        async for response in call:
+            if response.WhichOneof("response") == "chunk":
+                tokens += response.chunk.token_ids
+                events.append((rid, len(tokens)))
+                if started is not None:
+                    started.set()
+        return tokens
+
+    async def run():
+        async with Harness(mode="ar", max_num_seqs=4, num_decode_steps=8, delay_s=0.4) as h:
+            first = asyncio.Event()
+            a = asyncio.ensure_future(stream(h, "a", [5, 9, 17], 17, first))
+            await first.wait()              # "a" has its first token; its 8-token Verify call runs
+            await asyncio.sleep(0.05)
+            b = await stream(h, "b", [7, 1, 30], 9)
+            return await a, b
+
+    a, b = asyncio.run(run())
+    assert a == _expected([5, 9, 17], {"max_tokens": 17}) and b == _expected([7, 1, 30], {"max_tokens": 9})
+    first_of_b = events.index(("b", 1))
+    assert [e for e in events[:first_of_b] if e[0] == "a"] == [("a", 1)], events  # before a's 2nd block

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from concurrent.futures import Future
 
 import torch
 from opentelemetry import trace
@@ -63,6 +64,44 @@ class VerifierEngine:
 
         Raises: ValueError (duplicate/active id, bad params), CapacityError (no slot, too long).
         """
+        request = self._checked_add(request)
+        start = time.perf_counter()
+        self._broadcast(CMD_ADD, request)
+        outputs = self._apply_add(request)
+        return engine_pb2.AddRequestsResponse(outputs=outputs, forward_ms=elapsed_ms(start))
+
+    def join_call(self, request: engine_pb2.AddRequestsRequest) -> tuple[engine_pb2.AddRequestsRequest, Future | None]:
+        """Any thread: hand ``request`` to the worker's multi-step call now running, which
+        prefills it between two of its steps (``specdec.vllm_backend.joining``; vLLM engine, no TP
+        channel of ours). Returns (the request checked, with its seeds drawn; the future of its
+        ``AddRequestsResponse``, or None when no call takes it: then ``add`` the returned request).
+
+        Raises: ValueError (duplicate/active id, bad params), as ``add``.
+        """
+        request = self._checked_add(request)
+        submit = getattr(self.worker, "join_running_call", None)
+        if submit is None or self.channel is not None:
+            return request, None
+        start = time.perf_counter()
+        joined = submit([(seq.request_id, list(seq.prompt_token_ids), to_sampling_params(seq.sampling))
+                         for seq in request.seqs])
+        if joined is None:
+            return request, None
+        response: Future = Future()
+
+        def on_prefilled(future: Future) -> None:  # in the engine thread, inside the running call
+            if future.exception() is not None:
+                response.set_exception(future.exception())
+                return
+            self.request_ids.update(seq.request_id for seq in request.seqs)
+            response.set_result(engine_pb2.AddRequestsResponse(
+                outputs=[to_seq_output(step) for step in future.result()], forward_ms=elapsed_ms(start)))
+
+        joined.add_done_callback(on_prefilled)
+        return request, response
+
+    def _checked_add(self, request: engine_pb2.AddRequestsRequest) -> engine_pb2.AddRequestsRequest:
+        """A copy of ``request`` whose ids and sampling are checked and every request seeded."""
         ids = [seq.request_id for seq in request.seqs]
         check_unique_ids(ids)
         active = [rid for rid in ids if rid in self.request_ids]
@@ -73,10 +112,7 @@ class VerifierEngine:
             to_sampling_params(seq.sampling)  # validate before any rank sees the command
             if not seq.sampling.HasField("seed"):
                 seq.sampling.seed = self._seed_source.getrandbits(_SEED_BITS)
-        start = time.perf_counter()
-        self._broadcast(CMD_ADD, request)
-        outputs = self._apply_add(request)
-        return engine_pb2.AddRequestsResponse(outputs=outputs, forward_ms=elapsed_ms(start))
+        return request
 
     def verify(self, request: engine_pb2.VerifyRequest, plane: int) -> engine_pb2.VerifyResponse:
         """One verify step (k = 0: decode) of ``request.request_ids`` with their draft tokens;

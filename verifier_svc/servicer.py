@@ -9,6 +9,8 @@ without the dist plane -> FAILED_PRECONDITION, dist plane not connected -> UNAVA
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import torch
 from opentelemetry import trace
@@ -71,8 +73,13 @@ class VerifierServicer(engine_pb2_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier model is still loading")
 
     async def AddRequests(self, request, context):
+        """Prefill in the engine thread; while a multi-step decode call runs there (vLLM engine),
+        inside that call, between two of its steps (``VerifierEngine.join_call``)."""
         await self._check_ready(context)
         try:
+            request, joined = self.engine.join_call(request)
+            if joined is not None:
+                return await asyncio.wrap_future(joined)
             return await self.executor.run(self.engine.add, request)
         except Exception as exc:
             await abort_with(context, exc)

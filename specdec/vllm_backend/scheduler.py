@@ -19,7 +19,9 @@ would run every running request each step; this one runs only ``step.request_ids
   scheduling, where vLLM schedules step i + 1 while step i runs on the GPU;
 - every other running request stays resident and paused: it keeps its KV blocks and is not
   scheduled (vLLM's model runner keeps the cached state of unscheduled requests);
-- a waiting (just added) request is scheduled only when it is in the named set (its prefill).
+- a waiting (just added) request is scheduled only when it is in the named set (its prefill);
+  ``join`` names more requests during a multi-step call (``specdec.vllm_backend.joining``):
+  their prefill runs beside the decode rows' next step, then they pause.
 
 The KV cache is sized at start-up for ``max_num_seqs x max_model_len`` tokens
 (``specdec.vllm_backend.engine``), so a step never preempts; a preemption would drop a paused
@@ -28,7 +30,7 @@ request's KV, and raises ``RuntimeError`` instead of passing silently.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -44,6 +46,7 @@ class PsdStep:
             empty: plain decode or prefill).
         num_steps: sampling steps each named request may be scheduled for (>= 1; > 1 only for
             plain decoding: the draft tokens go with the first step only).
+        num_steps_of: per request id, its own ``num_steps`` (requests that joined the call: 1).
 
     Raises:
         ValueError: ``num_steps`` < 1, or > 1 with draft tokens.
@@ -52,6 +55,11 @@ class PsdStep:
     request_ids: frozenset[str]
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     num_steps: int = 1
+    num_steps_of: dict[str, int] = field(default_factory=dict)
+
+    def quota(self, request_id: str) -> int:
+        """Sampling steps ``request_id`` may run in this step."""
+        return self.num_steps_of.get(request_id, self.num_steps)
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -73,6 +81,15 @@ class PsdSchedulerMixin:
         self.psd_step = step
         self.num_sampling_steps = {}
 
+    def join(self, request_ids: frozenset[str]) -> None:
+        """Name ``request_ids`` too, for one sampling step each (their prefill), keeping the
+        steps the current ones have run. Raises RuntimeError outside a named step."""
+        if self.psd_step is None:
+            raise RuntimeError("join: no named step to join")
+        step = self.psd_step
+        self.psd_step = replace(step, request_ids=step.request_ids | request_ids,
+                                num_steps_of={**step.num_steps_of, **dict.fromkeys(request_ids, 1)})
+
     def schedule(self, *args, **kwargs):
         step = self.psd_step
         if step is None:
@@ -82,7 +99,7 @@ class PsdSchedulerMixin:
             raise RuntimeError(f"waiting requests outside the scheduled batch: {stray}")
         done = self.num_sampling_steps
         paused = [r for r in self.running if r.request_id not in step.request_ids
-                  or done.get(r.request_id, 0) >= step.num_steps]
+                  or done.get(r.request_id, 0) >= step.quota(r.request_id)]
         self.running = [r for r in self.running if r not in paused]
         candidates = {r.request_id: r for r in [*self.running, *self.waiting]}
         computed_before = {rid: r.num_computed_tokens for rid, r in candidates.items()}

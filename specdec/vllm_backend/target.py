@@ -13,11 +13,15 @@ and releases it), and each call runs one ``PsdScheduler`` step on exactly the na
   probability p(d_i) and on rejection sample from p with d_i removed and renormalised, which is
   lossless for any proposal (Leviathan et al. 2023, Theorem 1; DESIGN.md §9);
 - KV rollback past rejected positions is vLLM's (``num_computed_tokens``);
-- draft probabilities sent by the drafter are not needed and are ignored.
+- draft probabilities sent by the drafter are not needed and are ignored;
+- a request added while a multi-step ``decode`` call runs joins that call
+  (``join_running_call``, ``specdec.vllm_backend.joining``): prefilled between two of its steps,
+  as vLLM's continuous batching admits requests, with its first token returned at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from specdec.engine_api import EngineFacts
@@ -26,6 +30,7 @@ from specdec.sample.sampling import SamplingParams
 from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
 from specdec.vllm_backend.engine import (VllmEngineConfig, build_engine, refusals_as_value_errors, scheduler_of,
                                          to_vllm_sampling)
+from specdec.vllm_backend.joining import CallJoins, Join
 from specdec.vllm_backend.outputs import StepDelta, collect_step, engine_facts, step_output
 from specdec.vllm_backend.scheduler import PsdStep
 
@@ -54,6 +59,7 @@ class VllmTargetWorker:
         self.scheduler.set_step(PsdStep(frozenset()))   # between calls nothing may run
         self._requests: dict[str, _Resident] = {}
         self._facts = engine_facts(self.engine, cfg)
+        self._joins = CallJoins()  # requests joining a running multi-step call
 
     def facts(self) -> EngineFacts:
         return self._facts.with_free_slots(self.cfg.max_num_seqs - len(self._requests))
@@ -81,6 +87,21 @@ class VllmTargetWorker:
                 or sampling parameters vLLM refuses (e.g. temperature > 2; min_p with speculation).
             CapacityError: no free slot, or a prompt that leaves no room in ``max_model_len``.
         """
+        added = self._add_to_engine(items)
+        return self._first_tokens(items, added, self._prefill(added))
+
+    def join_running_call(self, items: list[tuple[str, list[int], SamplingParams]]):
+        """Any thread: hand ``items`` (as for ``add_requests``) to the multi-step ``decode`` call
+        now running, which prefills them between two of its steps (``specdec.vllm_backend.joining``).
+
+        Returns:
+            A ``concurrent.futures.Future`` of their ``StepOutput``s (its exception: what
+            ``add_requests`` raises), or None when no call is running (call ``add_requests``).
+        """
+        return self._joins.submit(items)
+
+    def _add_to_engine(self, items) -> dict[str, _Resident]:
+        """Check ``items`` and add them to the engine (all or none); resident from now on."""
         ids = [rid for rid, _, _ in items]
         check_new_ids(self._requests, ids, self.cfg.max_num_seqs)
         for rid, prompt, _ in items:
@@ -97,8 +118,11 @@ class VllmTargetWorker:
                 self.engine.abort_request([state.vllm_id for state in added.values()], internal=True)
             raise
         self._requests.update(added)
-        outputs = self._prefill(added)
-        return [step_output(rid, outputs[rid], 0, added[rid].params.logprobs) for rid in ids]
+        return added
+
+    @staticmethod
+    def _first_tokens(items, added: dict[str, _Resident], outputs: dict) -> list:
+        return [step_output(rid, outputs[rid], 0, added[rid].params.logprobs) for rid, _, _ in items]
 
     def _check_prompt(self, request_id: str, prompt: list[int]) -> None:
         if not prompt:
@@ -184,25 +208,80 @@ class VllmTargetWorker:
         ``step.num_steps`` sampling steps (or ended): {request id: ``StepDelta``, the merged
         deltas}. Under async scheduling the engine scheduled one more (empty: every quota is
         spent) batch meanwhile; it stays queued and the next call's first step pops it, since a
-        queue of resident requests never drains (each step schedules again)."""
+        queue of resident requests never drains (each step schedules again). A multi-step call
+        takes joins (``join_running_call``) until its rows are done."""
         self.scheduler.set_step(step)
         by_vllm_id = {state.vllm_id: rid for rid, state in self._requests.items()}
         merged: dict[str, StepDelta] = {}
+        takes_joins, joined, late = step.num_steps > 1, [], []
+        if takes_joins:
+            self._joins.open()
         try:
             for _ in range(step.num_steps + MAX_PREFILL_STEPS):
+                is_done = all(_is_done(merged.get(by_vllm_id.get(v, v)), step.num_steps) for v in step.request_ids)
+                if takes_joins and not is_done:
+                    joined += self._take_joins()
+                if is_done and not joined:
+                    break
                 for rid, output in collect_step(self.engine.step()).items():
                     merged.setdefault(rid, StepDelta()).add(output)
-                if all(_is_done(merged.get(by_vllm_id.get(v, v)), step.num_steps) for v in step.request_ids):
-                    break
+                joined = self._resolve_joins(joined, merged)
             else:
                 raise RuntimeError(f"vLLM did not finish {step.num_steps} steps in {step.num_steps + MAX_PREFILL_STEPS}")
+        except BaseException as exc:
+            self._fail_joins(joined + [(join, {}) for join in (self._joins.close() if takes_joins else [])], exc)
+            raise
         finally:
             self.scheduler.set_step(PsdStep(frozenset()))
+        late = self._joins.close() if takes_joins else []
         for rid, state in self._requests.items():
             delta = merged.get(rid)
             if delta is not None and delta.finish_reason is not None:
                 state.is_finished = True
+        self._add_late(late)
         return merged
+
+    def _take_joins(self) -> list[tuple[Join, dict]]:
+        """Add the submitted joins to the engine and to the running step (one sampling step
+        each); a refused batch fails alone (its future gets the error)."""
+        taken = []
+        for join in self._joins.take():
+            try:
+                added = self._add_to_engine(join.items)
+            except BaseException as exc:
+                join.future.set_exception(exc)
+                continue
+            self.scheduler.join(frozenset(state.vllm_id for state in added.values()))
+            taken.append((join, added))
+        return taken
+
+    def _resolve_joins(self, joined: list, merged: dict) -> list:
+        """Resolve each join whose requests all have their first token; returns the others."""
+        waiting = []
+        for join, added in joined:
+            if all(rid in merged and merged[rid].token_ids for rid in added):
+                join.future.set_result(self._first_tokens(join.items, added, merged))
+            else:
+                waiting.append((join, added))
+        return waiting
+
+    def _fail_joins(self, joined: list, exc: BaseException) -> None:
+        """The call failed: its joins fail with it, their requests leave the engine."""
+        for join, added in joined:
+            for rid in added:
+                self._requests.pop(rid, None)
+            with contextlib.suppress(Exception):  # the engine itself may be what failed
+                if added:
+                    self.engine.abort_request([state.vllm_id for state in added.values()], internal=True)
+            join.future.set_exception(exc)
+
+    def _add_late(self, late: list[Join]) -> None:
+        """Joins submitted as the call ended: prefilled now, each batch on its own."""
+        for join in late:
+            try:
+                join.future.set_result(self.add_requests(join.items))
+            except BaseException as exc:
+                join.future.set_exception(exc)
 
     def release(self, request_id: str) -> None:
         """Abort the vLLM request and free its KV blocks. Raises KeyError for an unknown id."""

@@ -1,0 +1,173 @@
+"""Requests joining a running multi-step decode call on the vLLM backend (run in ``.venv-vllm``):
+``VllmTargetWorker.join_running_call`` from another thread while ``decode`` runs N steps.
+
+Checked: a join is prefilled between two of the call's steps and its future resolves before
+the call returns, with the greedy reference's first token; the call's rows keep their reference
+tokens; the joined request decodes from the next call on like any other; no running call -> None;
+a refused join (an id already resident) fails alone; a join submitted as the call ends is
+prefilled before it returns; the ``verifier_svc`` layer answers it as an ``AddRequestsResponse``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import _build_tiny_llama
+from minedraft.v1 import engine_pb2
+from specdec.sample.sampling import SamplingParams
+from specdec.vllm_backend.engine import VllmEngineConfig
+from specdec.vllm_backend.scheduler import PsdStep
+from specdec.vllm_backend.target import VllmTargetWorker
+from verifier_svc.engine import VerifierEngine
+
+SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
+VOCAB, MAX_LEN = 128, 96
+GREEDY = SamplingParams(temperature=0.0, seed=0)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    net = _build_tiny_llama(num_layers=2, seed=1, **SHAPE)
+    path = str(tmp_path_factory.mktemp("target"))
+    net.save_pretrained(path, safe_serialization=True)
+    return path, net
+
+
+@pytest.fixture(scope="module")
+def worker(model):
+    return VllmTargetWorker(VllmEngineConfig(model=model[0], max_num_seqs=4, max_model_len=MAX_LEN, enforce_eager=True,
+                                             kv_cache_space_gib=0.05, async_scheduling=True))
+
+
+@torch.no_grad()
+def _hf_greedy(net, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(net(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+class _StepHook:
+    """Wraps ``worker.engine.step``: counts steps and runs ``action`` before step ``at``."""
+
+    def __init__(self, worker, at: int, action) -> None:
+        self.worker, self.at, self.action, self.num_steps = worker, at, action, 0
+        self.original = worker.engine.step
+
+    def __enter__(self):
+        def step():
+            self.num_steps += 1
+            if self.num_steps == self.at:
+                self.action()
+            return self.original()
+
+        self.worker.engine.step = step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.worker.engine.step = self.original
+
+
+def test_a_join_is_prefilled_inside_the_call_and_decodes_after_it(worker, model) -> None:
+    rows = {"x": _prompt(1, 12), "y": _prompt(2, 20)}
+    newcomer = _prompt(3, 17)
+    refs = {rid: _hf_greedy(model[1], p, 14) for rid, p in {**rows, "new": newcomer}.items()}
+    out = {o.request_id: list(o.token_ids) for o in worker.add_requests([(r, p, GREEDY) for r, p in rows.items()])}
+    joined, resolved_at = [], []
+    try:
+        def submit():
+            future = worker.join_running_call([("new", newcomer, GREEDY)])
+            future.add_done_callback(lambda f: resolved_at.append(hook.num_steps))
+            joined.append(future)
+
+        with _StepHook(worker, 3, submit) as hook:
+            steps = worker.decode(list(rows), 8)
+            num_call_steps = hook.num_steps
+        assert joined and joined[0].done() and resolved_at[0] < num_call_steps, (resolved_at, num_call_steps)
+        first = joined[0].result()
+        assert [s.request_id for s in first] == ["new"] and first[0].token_ids == refs["new"][:1]
+        for s in steps:
+            assert len(s.token_ids) == 8
+            out[s.request_id] += s.token_ids
+        assert out == {rid: refs[rid][:9] for rid in rows}
+        assert worker.decode(["new"], 5)[0].token_ids == refs["new"][1:6]
+        assert worker.decode(list(rows), 2)[0].token_ids == refs["x"][9:11]
+    finally:
+        for rid in [*rows, "new"]:
+            if rid in worker.request_ids:
+                worker.release(rid)
+
+
+def test_no_running_call_takes_no_join(worker) -> None:
+    assert worker.join_running_call([("z", _prompt(4, 5), GREEDY)]) is None
+    assert "z" not in worker.request_ids
+
+
+def test_a_refused_join_fails_alone(worker, model) -> None:
+    worker.add_requests([("x", _prompt(5, 9), GREEDY)])
+    futures = []
+    try:
+        with _StepHook(worker, 2, lambda: futures.append(worker.join_running_call([("x", _prompt(6, 4), GREEDY)]))):
+            steps = worker.decode(["x"], 4)
+        assert len(steps[0].token_ids) == 4
+        with pytest.raises(ValueError, match="new and distinct"):
+            futures[0].result(timeout=0)
+        assert worker.request_ids == ["x"]
+    finally:
+        worker.release("x")
+
+
+def test_a_join_submitted_as_the_call_ends_is_prefilled_before_it_returns(worker, model) -> None:
+    """The call's last ``set_step`` (to the empty step) comes before it stops taking joins."""
+    late_prompt = _prompt(8, 11)
+    worker.add_requests([("x", _prompt(7, 9), GREEDY)])
+    futures, original = [], worker.scheduler.set_step
+
+    def set_step(step):
+        if step is not None and not step.request_ids and not futures:
+            futures.append(worker.join_running_call([("late", late_prompt, GREEDY)]))
+        original(step)
+
+    worker.scheduler.set_step = set_step
+    try:
+        worker.decode(["x"], 3)
+        assert futures[0] is not None and futures[0].done()
+        assert futures[0].result()[0].token_ids == _hf_greedy(model[1], late_prompt, 1)
+        assert sorted(worker.request_ids) == ["late", "x"]
+    finally:
+        worker.scheduler.set_step = original
+        for rid in ("x", "late"):
+            if rid in worker.request_ids:
+                worker.release(rid)
+
+
+def test_the_verifier_engine_answers_a_join_as_add_requests(worker, model) -> None:
+    engine = VerifierEngine(worker, seed=0)
+    engine.add(engine_pb2.AddRequestsRequest(seqs=[engine_pb2.SeqInit(request_id="x", prompt_token_ids=_prompt(9, 6))]))
+    newcomer = _prompt(10, 8)
+    add = engine_pb2.AddRequestsRequest(seqs=[engine_pb2.SeqInit(request_id="j", prompt_token_ids=newcomer)])
+    results = []
+    try:
+        assert engine.join_call(add)[1] is None          # no call running: the caller adds it itself
+        with _StepHook(worker, 2, lambda: results.append(engine.join_call(add))):   # as the service thread would
+            engine.verify(engine_pb2.VerifyRequest(request_ids=["x"], num_decode_steps=4), engine_pb2.DATA_PLANE_INLINE)
+        checked, future = results[0]
+        assert checked.seqs[0].sampling.HasField("seed")       # seeded before it joined
+        response = future.result(timeout=0)
+        assert [o.request_id for o in response.outputs] == ["j"] and len(response.outputs[0].token_ids) == 1
+        assert "j" in engine.request_ids                        # known before the response is seen
+        with pytest.raises(ValueError, match="already active"):
+            engine.join_call(add)
+    finally:
+        engine.release(engine_pb2.ReleaseRequest(request_ids=["x", "j"]))
+
+
+def test_psd_step_join_gives_one_step_and_keeps_the_counts() -> None:
+    step = PsdStep(frozenset({"a"}), num_steps=8)
+    assert step.quota("a") == 8 and step.quota("b") == 8
+    joined = PsdStep(step.request_ids | {"b"}, num_steps=8, num_steps_of={"b": 1})
+    assert joined.quota("a") == 8 and joined.quota("b") == 1
