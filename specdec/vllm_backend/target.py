@@ -217,15 +217,16 @@ class VllmTargetWorker:
         if takes_joins:
             self._joins.open()
         try:
+            is_done = False
             for _ in range(step.num_steps + MAX_PREFILL_STEPS):
-                is_done = all(_is_done(merged.get(by_vllm_id.get(v, v)), step.num_steps) for v in step.request_ids)
                 if takes_joins and not is_done:
                     joined += self._take_joins()
-                if is_done and not joined:
-                    break
                 for rid, output in collect_step(self.engine.step()).items():
                     merged.setdefault(rid, StepDelta()).add(output)
                 joined = self._resolve_joins(joined, merged)
+                is_done = all(_is_done(merged.get(by_vllm_id.get(v, v)), step.num_steps) for v in step.request_ids)
+                if is_done and not joined:
+                    break
             else:
                 raise RuntimeError(f"vLLM did not finish {step.num_steps} steps in {step.num_steps + MAX_PREFILL_STEPS}")
         except BaseException as exc:
