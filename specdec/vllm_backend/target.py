@@ -213,7 +213,7 @@ class VllmTargetWorker:
         self.scheduler.set_step(step)
         by_vllm_id = {state.vllm_id: rid for rid, state in self._requests.items()}
         merged: dict[str, StepDelta] = {}
-        takes_joins, joined, late = step.num_steps > 1, [], []
+        takes_joins, joined = step.num_steps > 1, []
         if takes_joins:
             self._joins.open()
         try:
