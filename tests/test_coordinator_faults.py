@@ -124,7 +124,8 @@ def test_a_stale_abort_of_a_reused_id_leaves_the_new_request_alone() -> None:
     request)``), not a newer request that reuses the id after an Abort freed it."""
     async def main():
         async with Harness(mode="psd", max_num_seqs=2, delay_s=0.01) as h:
-            old = asyncio.create_task(h.generate("dup", [4, 5], max_tokens=500, ignore_eos=True))
+            # long enough to be still running when the abort lands, also on a loaded host
+            old = asyncio.create_task(h.generate("dup", [4, 5], max_tokens=50000, ignore_eos=True))
             await wait_until(lambda: "dup" in h.scheduler.running, timeout_s=5)
             old_state = h.scheduler.running["dup"]
             assert (await h.stub.Abort(common_pb2.AbortRequest(request_id="dup"))).found
@@ -153,7 +154,8 @@ def test_an_id_reused_while_its_release_is_in_flight_waits_for_it(monkeypatch) -
 
     async def main():
         async with Harness(mode="psd", max_num_seqs=2, delay_s=0.01) as h:
-            old = asyncio.create_task(h.generate("dup", [4, 5], max_tokens=500, ignore_eos=True))
+            # long enough to be still running when the abort lands, also on a loaded host
+            old = asyncio.create_task(h.generate("dup", [4, 5], max_tokens=50000, ignore_eos=True))
             await wait_until(lambda: "dup" in h.scheduler.running, timeout_s=5)
             await h.generate("short", [6, 7], max_tokens=2, ignore_eos=True)
             release_started.clear()
