@@ -19,14 +19,12 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 
 from bench.gpu.gpu_stack import start_front
 from minedraft.client import GenerationError, GenerationResult, MineDraftClient, build_request
 from minedraft.engine_backend import engine_python
 from minedraft.launcher import Stack
-from minedraft.v1 import engine_pb2, engine_pb2_grpc
 from test_e2e_faults import _generate
 from test_e2e_stack import M, MAX_MODEL_LEN, NUM_REQUESTS, _config, _engine_infos, _generate_all, _status, _wait_slots_free
 
@@ -89,30 +87,6 @@ def ar_reference(model_dirs, tmp_path_factory):
                 "kill": [r.token_ids for r in _greedy_batch(stack, KILL_TOKENS)]}
 
 
-def test_ar_decode_steps_with_arrivals_during_calls_equals_one_token_per_call(model_dirs, ar_reference, tmp_path):
-    """``--decode-steps 8``: requests arriving while a multi-step Verify call runs are admitted at
-    once (the vLLM verifier prefills them between two of the call's steps); greedy outputs equal
-    the one-token-per-call ``ar`` stack's."""
-    cfg = dataclasses.replace(_vllm_config("ar", model_dirs, str(tmp_path)), num_decode_steps=8)
-    with Stack(cfg) as stack:
-        stack.start(model_dirs[0], log=lambda line: None)
-
-        def one(i: int) -> GenerationResult:
-            time.sleep(0.07 * i)   # staggered: each arrives while the others' calls run
-            return _generate(stack, PROMPT_IDS[i % len(PROMPT_IDS)], max_tokens=KILL_TOKENS, temperature=0,
-                             ignore_eos=True, request_id=f"batch-{i}")
-
-        with ThreadPoolExecutor(6) as pool:
-            results = list(pool.map(one, range(6)))
-        assert [r.token_ids for r in results] == ar_reference["kill"]
-        deadline = time.monotonic() + 30    # ar: no drafter; the verifier frees every slot
-        with grpc.insecure_channel(f"{cfg.host}:{cfg.verifier_port}") as channel:
-            while (info := engine_pb2_grpc.VerifierStub(channel).GetInfo(engine_pb2.EngineInfoRequest(), timeout=30)) \
-                    .request_ids and time.monotonic() < deadline:
-                time.sleep(0.2)
-        assert not info.request_ids and info.num_free_slots == info.max_num_seqs
-
-
 @pytest.fixture(scope="module")
 def psd_stack(model_dirs, tmp_path_factory):
     with Stack(_vllm_config("psd", model_dirs, str(tmp_path_factory.mktemp("runs")))) as stack:
@@ -138,6 +112,32 @@ def test_sd_output_equals_ar_at_temperature_0(psd_stack, model_dirs, ar_referenc
     assert sum(r.usage.num_drafts for r in results) > 0
     assert [r.token_ids for r in results] == ar_reference["chat"]
     _wait_slots_free(psd_stack.cfg)
+
+
+def test_ar_decode_steps_with_arrivals_during_calls_equals_one_token_per_call(psd_stack, model_dirs, ar_reference,
+                                                                               tmp_path):
+    """``ar --decode-steps 8`` in front of the psd stack's engines: requests arriving while a
+    multi-step Verify call runs are admitted at once (the vLLM verifier prefills them between two
+    of the call's steps); greedy outputs equal the one-token-per-call ``ar`` stack's."""
+    front, cfg = start_front(dataclasses.replace(psd_stack.cfg, num_decode_steps=8), "ar", model_dirs[0],
+                             str(tmp_path), log=lambda line: None)
+
+    def one(i: int) -> GenerationResult:
+        time.sleep(0.07 * i)   # staggered: each arrives while the others' calls run
+        return _generate(front, PROMPT_IDS[i % len(PROMPT_IDS)], max_tokens=KILL_TOKENS, temperature=0,
+                         ignore_eos=True, request_id=f"batch-{i}")
+
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(one, range(6)))
+        status = _status(cfg)
+    finally:
+        front.stop()
+    assert status.effective_mode == "ar" and status.num_draft_tokens == 0
+    assert status.num_steps < 6 * KILL_TOKENS / 4      # 8 tokens per request and step, less at the ends
+    assert [r.token_ids for r in results] == ar_reference["kill"]
+    for info in _wait_slots_free(psd_stack.cfg):
+        assert info.num_free_slots == info.max_num_seqs and not info.request_ids
 
 
 def test_abort_mid_stream_frees_the_slots_of_both_engines(psd_stack):
