@@ -85,6 +85,7 @@ class Scheduler(StepLoop):
         self.auto = AutoMode(self.chooser, cfg.max_num_seqs)
         self.last_auto_decision: AutoDecision | None = None
         self._is_head_held = False
+        self.joined_outputs: list[engine_pb2.SeqOutput] = []  # tokens of requests that joined a Verify call
 
     # ------------------------------------------------------------------ public API
     def submit(self, request: RequestState) -> None:
@@ -199,7 +200,25 @@ class Scheduler(StepLoop):
         finally:
             if not step.done():
                 await asyncio.wait({step})
-        step.result()
+        try:
+            step.result()
+        finally:
+            self._commit_joined()
+
+    def _commit_joined(self) -> None:
+        """Commit the tokens that requests admitted during the step decoded inside its Verify
+        call (after their first token, which their admission committed); the engine holds them,
+        so a request whose first token is missing fails rather than skip them."""
+        outputs, self.joined_outputs = self.joined_outputs, []
+        for out in outputs:
+            request = self.running.get(out.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished at its first token, or aborted meanwhile
+            if not request.output_token_ids:
+                self._retire(request, None, error=(grpc.StatusCode.INTERNAL, "verifier decoded a joined request "
+                                                                             "before its first token"))
+                continue
+            self._commit(request, list(out.token_ids), list(out.logprobs), 0, 0, list(out.top_logprobs))
 
     async def _wait_for_work(self) -> None:
         """Sleep until a request arrives, or until the drafter's next probe (while it is away) or idle

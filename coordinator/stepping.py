@@ -109,12 +109,16 @@ class StepLoop:
         """Account each Verify call (times, cost model) and commit its requests' tokens
         (``_postprocess``); returns what the step committed."""
         committed = Committed()
+        named = {r.request_id for reqs, _ in groups for r in reqs}
         for (reqs, d), (response, verify_rpc_ms) in zip(groups, responses):
             self._account_verify(reqs, d, response, verify_rpc_ms, times, verify_start_s, verify_batch)
             group_emitted, group_accepted, group_ks = self._postprocess(reqs, d, response)
             committed.num_emitted += group_emitted
             committed.accepted += group_accepted if d else []
             committed.num_spec_tokens += group_ks if d else []
+            # requests admitted while the call ran, which decoded in it (vLLM engine): committed
+            # once their admission has committed their first token (Scheduler._step_admitting)
+            self.joined_outputs += [out for out in response.outputs if out.request_id not in named]
         return committed
 
     def _account_verify(self, reqs, drafts, response: engine_pb2.VerifyResponse, rpc_ms: float,

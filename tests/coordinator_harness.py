@@ -65,6 +65,8 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
         self.delay_s, self.drafter, self.num_prob_rows, self.max_slots_used = delay_s, None, 0, 0
         self.num_dist_fetches, self.is_failing = 0, False
         self.decode_steps_seen: list[int] = []   # VerifyRequest.num_decode_steps > 1 seen
+        # as the vLLM verifier: requests added while a multi-step call runs decode in it too
+        self.joins_decode, self._joined_ids = False, None
 
     async def AddRequests(self, request, context):
         if any(BAD_TOKEN in seq.prompt_token_ids for seq in request.seqs):  # all or nothing, like the real one
@@ -74,11 +76,16 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
             assert seq.request_id not in self.committed and len(self.committed) < NUM_SLOTS
             self.committed[seq.request_id] = list(seq.prompt_token_ids) + [toy_next(list(seq.prompt_token_ids))]
             outputs.append(engine_pb2.SeqOutput(request_id=seq.request_id, token_ids=[self.committed[seq.request_id][-1]]))
+            if self._joined_ids is not None:
+                self._joined_ids.append(seq.request_id)
         self.max_slots_used = max(self.max_slots_used, len(self.committed))
         return engine_pb2.AddRequestsResponse(outputs=outputs)
 
     async def Verify(self, request, context):
+        if self.joins_decode and request.num_decode_steps > 1:
+            self._joined_ids = []
         await asyncio.sleep(self.delay_s)
+        joined, self._joined_ids = self._joined_ids or [], None
         if self.is_failing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier rank lost")
         rows = decode_token_ids(request.draft_token_ids) if request.draft_token_ids.shape else [[]] * len(request.request_ids)
@@ -94,7 +101,7 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
         if request.num_decode_steps > 1:  # multi-step decoding: plain decode only
             assert not any(rows)
             self.decode_steps_seen.append(request.num_decode_steps)
-            return self._decode(request)
+            return self._decode(request, joined)
         outputs = []
         for request_id, drafts in zip(request.request_ids, rows):
             seq = self.committed[request_id]
@@ -114,11 +121,15 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
                                                 logprobs=[-0.25] * len(out)))
         return engine_pb2.VerifyResponse(step_id=request.step_id, outputs=outputs, verify_ms=self.delay_s * 1e3)
 
-    def _decode(self, request):
+    def _decode(self, request, joined: list[str] = ()):
+        """The named rows' ``num_decode_steps`` tokens, then (``joins_decode``) those of the
+        requests added during the call: all but one step, their first token went with the add."""
         outputs = []
-        for request_id in request.request_ids:
+        rows = [(rid, request.num_decode_steps) for rid in request.request_ids]
+        for request_id, num_steps in rows + [(rid, request.num_decode_steps - 1) for rid in joined
+                                             if rid in self.committed]:
             seq, out = self.committed[request_id], []
-            for _ in range(request.num_decode_steps):
+            for _ in range(num_steps):
                 out.append(toy_next(seq + out))
             seq += out
             outputs.append(engine_pb2.SeqOutput(request_id=request_id, token_ids=out, logprobs=[-0.25] * len(out)))

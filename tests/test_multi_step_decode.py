@@ -125,10 +125,13 @@ def test_coordinator_multi_step_output_equals_reference(mode: str) -> None:
         assert all(2 <= n <= min(6, longest) for n in seen_many)
 
 
-def test_a_request_arriving_during_a_multi_step_call_is_admitted_at_once() -> None:
+@pytest.mark.parametrize("joins_decode", [False, True], ids=["native-like", "vllm-like"])
+def test_a_request_arriving_during_a_multi_step_call_is_admitted_at_once(joins_decode: bool) -> None:
     """``ar`` with ``--decode-steps``: a newcomer's prefill goes to the verifier while the
     running Verify call decodes (the coordinator does not wait for the call to end), so its first
-    token (TTFT) comes before the running request's next block; both outputs stay the reference."""
+    token (TTFT) comes before the running request's next block; both outputs stay the reference.
+    vLLM-like: the newcomer also decodes in that call (its tokens come back after the named
+    rows') and they are streamed after its first token."""
     from minedraft.v1 import common_pb2
 
     events: list[tuple[str, int]] = []
@@ -147,6 +150,7 @@ def test_a_request_arriving_during_a_multi_step_call_is_admitted_at_once() -> No
 
     async def run():
         async with Harness(mode="ar", max_num_seqs=4, num_decode_steps=8, delay_s=0.4) as h:
+            h.verifier.joins_decode = joins_decode
             first = asyncio.Event()
             a = asyncio.ensure_future(stream(h, "a", [5, 9, 17], 17, first))
             await first.wait()              # "a" has its first token; its 8-token Verify call runs
@@ -158,3 +162,5 @@ def test_a_request_arriving_during_a_multi_step_call_is_admitted_at_once() -> No
     assert a == _expected([5, 9, 17], {"max_tokens": 17}) and b == _expected([7, 1, 30], {"max_tokens": 9})
     first_of_b = events.index(("b", 1))
     assert [e for e in events[:first_of_b] if e[0] == "a"] == [("a", 1)], events  # before a's 2nd block
+    b_events = [n for rid, n in events if rid == "b"]
+    assert b_events[:2] == ([1, 8] if joins_decode else [1, 9]), events  # vLLM-like: 7 more within a's call

@@ -5,9 +5,10 @@ the same step as the running requests' decode. ``VllmTargetWorker.decode`` runs 
 in one call, so a request that arrives meanwhile would wait for the whole call (its TTFT grows by
 up to N decode steps, and the call's rows wait for its separate prefill call afterwards).
 ``CallJoins`` lets the service thread hand such a request to the call in progress: between two of
-its engine steps the call adds it to the engine for one sampling step (its prefill; the first
-token), resolves its future at once and keeps it resident and paused; it decodes from the next
-call on. Joins that arrive as the call ends are prefilled by the call before it returns.
+its engine steps the call adds it to the engine (its prefill beside the rows' next decode step),
+resolves its future with the first token at once, and lets it decode with the call's rows for
+their remaining steps; the call returns those tokens after its rows' (``VllmTargetWorker.verify``).
+Joins that arrive as the call ends are prefilled by the call before it returns.
 """
 
 from __future__ import annotations

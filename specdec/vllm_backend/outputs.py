@@ -33,6 +33,12 @@ class StepDelta:
         self.num_steps += 1
         self.finish_reason = output.finish_reason or self.finish_reason
 
+    def after_first(self) -> "StepDelta":
+        """The deltas without their first token (a joined request's, whose first token went
+        back with its join)."""
+        return StepDelta(self.token_ids[1:], None if self.logprobs is None else self.logprobs[1:],
+                         max(self.num_steps - 1, 0), self.finish_reason)
+
 
 def step_output(request_id: str, output, num_draft_tokens: int, num_top: int) -> StepOutput:
     """``StepOutput`` of one request's step: the committed tokens (accepted drafts then one

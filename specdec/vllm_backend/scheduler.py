@@ -21,7 +21,7 @@ would run every running request each step; this one runs only ``step.request_ids
   scheduled (vLLM's model runner keeps the cached state of unscheduled requests);
 - a waiting (just added) request is scheduled only when it is in the named set (its prefill);
   ``join`` names more requests during a multi-step call (``specdec.vllm_backend.joining``):
-  their prefill runs beside the decode rows' next step, then they pause.
+  their prefill runs beside the decode rows' next step, then they decode with them.
 
 The KV cache is sized at start-up for ``max_num_seqs x max_model_len`` tokens
 (``specdec.vllm_backend.engine``), so a step never preempts; a preemption would drop a paused
@@ -81,14 +81,15 @@ class PsdSchedulerMixin:
         self.psd_step = step
         self.num_sampling_steps = {}
 
-    def join(self, request_ids: frozenset[str]) -> None:
-        """Name ``request_ids`` too, for one sampling step each (their prefill), keeping the
-        steps the current ones have run. Raises RuntimeError outside a named step."""
+    def join(self, quotas: dict[str, int]) -> None:
+        """Name the requests of ``quotas`` too, each for its own number of sampling steps (the
+        first: its prefill), keeping the steps the current ones have run. Raises RuntimeError
+        outside a named step."""
         if self.psd_step is None:
             raise RuntimeError("join: no named step to join")
         step = self.psd_step
-        self.psd_step = replace(step, request_ids=step.request_ids | request_ids,
-                                num_steps_of={**step.num_steps_of, **dict.fromkeys(request_ids, 1)})
+        self.psd_step = replace(step, request_ids=step.request_ids | frozenset(quotas),
+                                num_steps_of={**step.num_steps_of, **quotas})
 
     def schedule(self, *args, **kwargs):
         step = self.psd_step

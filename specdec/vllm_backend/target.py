@@ -16,7 +16,8 @@ and releases it), and each call runs one ``PsdScheduler`` step on exactly the na
 - draft probabilities sent by the drafter are not needed and are ignored;
 - a request added while a multi-step ``decode`` call runs joins that call
   (``join_running_call``, ``specdec.vllm_backend.joining``): prefilled between two of its steps,
-  as vLLM's continuous batching admits requests, with its first token returned at once.
+  as vLLM's continuous batching admits requests, with its first token returned at once; it
+  decodes with the call's rows for their remaining steps, and the call returns those tokens.
 """
 
 from __future__ import annotations
@@ -159,7 +160,9 @@ class VllmTargetWorker:
             num_steps: plain decode steps in this call (> 1: every row without drafts; ``decode``).
 
         Returns:
-            b ``StepOutput``s of ``num_accepted + 1`` tokens each, in order.
+            b ``StepOutput``s of ``num_accepted + 1`` tokens each, in order; then, after a
+            multi-step call, one per request that joined it and decoded past its first token
+            (``join_running_call``: the tokens after the first, which its join returned).
 
         Raises:
             KeyError: an unknown request id. ValueError: rows and ids differ in number, a row
@@ -181,8 +184,12 @@ class VllmTargetWorker:
         missing = [rid for rid in request_ids if rid not in outputs]
         if missing:
             raise RuntimeError(f"vLLM did not run {missing} in this step")
+        named = set(request_ids)
+        joined = [step_output(rid, delta.after_first(), 0, self._requests[rid].params.logprobs)
+                  for rid, delta in outputs.items()
+                  if rid not in named and rid in self._requests and len(delta.token_ids) > 1]
         return [step_output(rid, outputs[rid], len(row), s.params.logprobs)
-                for rid, s, row in zip(request_ids, states, draft_token_ids)]
+                for rid, s, row in zip(request_ids, states, draft_token_ids)] + joined
 
     def decode(self, request_ids: list[str], num_steps: int):
         """``num_steps`` plain decode steps over ``request_ids`` in one call (multi-step decoding:
@@ -193,7 +200,8 @@ class VllmTargetWorker:
             num_steps: decode steps (>= 1); a row that reaches ``max_model_len`` stops early.
 
         Returns:
-            b ``StepOutput``s of up to ``num_steps`` tokens each (``num_accepted`` 0), in order.
+            b ``StepOutput``s of up to ``num_steps`` tokens each (``num_accepted`` 0), in order,
+            then those of the requests that joined the call (see ``verify``).
 
         Raises:
             KeyError: an unknown request id. ValueError: ``num_steps`` < 1.
@@ -213,19 +221,21 @@ class VllmTargetWorker:
         self.scheduler.set_step(step)
         by_vllm_id = {state.vllm_id: rid for rid, state in self._requests.items()}
         merged: dict[str, StepDelta] = {}
-        takes_joins, joined = step.num_steps > 1, []
+        takes_joins, joined, quotas = step.num_steps > 1, [], {}
         if takes_joins:
             self._joins.open()
         try:
             is_done = False
             for _ in range(step.num_steps + MAX_PREFILL_STEPS):
                 if takes_joins and not is_done:
-                    joined += self._take_joins()
+                    left = step.num_steps - max((merged[by_vllm_id[v]].num_steps for v in step.request_ids
+                                                 if by_vllm_id.get(v) in merged), default=0)
+                    joined += self._take_joins(left, quotas)
                 for rid, output in collect_step(self.engine.step()).items():
                     merged.setdefault(rid, StepDelta()).add(output)
                 joined = self._resolve_joins(joined, merged)
                 is_done = all(_is_done(merged.get(by_vllm_id.get(v, v)), step.num_steps) for v in step.request_ids)
-                if is_done and not joined:
+                if is_done and not joined and all(_is_done(merged.get(rid), n) for rid, n in quotas.items()):
                     break
             else:
                 raise RuntimeError(f"vLLM did not finish {step.num_steps} steps in {step.num_steps + MAX_PREFILL_STEPS}")
@@ -242,9 +252,11 @@ class VllmTargetWorker:
         self._add_late(late)
         return merged
 
-    def _take_joins(self) -> list[tuple[Join, dict]]:
-        """Add the submitted joins to the engine and to the running step (one sampling step
-        each); a refused batch fails alone (its future gets the error)."""
+    def _take_joins(self, num_steps_left: int, quotas: dict[str, int]) -> list[tuple[Join, dict]]:
+        """Add the submitted joins to the engine and to the running step: each request samples
+        as many tokens as the call's rows have steps left (at least its first, at most its
+        ``max_tokens``; recorded in ``quotas``). A refused batch fails alone (its future gets
+        the error)."""
         taken = []
         for join in self._joins.take():
             try:
@@ -252,7 +264,9 @@ class VllmTargetWorker:
             except BaseException as exc:
                 join.future.set_exception(exc)
                 continue
-            self.scheduler.join(frozenset(state.vllm_id for state in added.values()))
+            new = {rid: max(1, min(num_steps_left, state.params.max_tokens)) for rid, state in added.items()}
+            quotas.update(new)
+            self.scheduler.join({added[rid].vllm_id: n for rid, n in new.items()})
             taken.append((join, added))
         return taken
 

@@ -2,8 +2,9 @@
 ``VllmTargetWorker.join_running_call`` from another thread while ``decode`` runs N steps.
 
 Checked: a join is prefilled between two of the call's steps and its future resolves before
-the call returns, with the greedy reference's first token; the call's rows keep their reference
-tokens; the joined request decodes from the next call on like any other; no running call -> None;
+the call returns, with the greedy reference's first token; it decodes in the call's remaining
+steps (at most its ``max_tokens``), those tokens returned after the rows'; the call's rows keep
+their reference tokens; the joined request decodes in later calls like any other; no running call -> None;
 a refused join (an id already resident) fails alone; a join submitted as the call ends is
 prefilled before it returns; the ``verifier_svc`` layer answers it as an ``AddRequestsResponse``.
 """
@@ -90,11 +91,16 @@ def test_a_join_is_prefilled_inside_the_call_and_decodes_after_it(worker, model)
         assert joined and joined[0].done() and resolved_at[0] < num_call_steps, (resolved_at, num_call_steps)
         first = joined[0].result()
         assert [s.request_id for s in first] == ["new"] and first[0].token_ids == refs["new"][:1]
-        for s in steps:
+        assert [s.request_id for s in steps] == ["x", "y", "new"]   # the joined request decoded in the call too
+        for s in steps[:2]:
             assert len(s.token_ids) == 8
             out[s.request_id] += s.token_ids
         assert out == {rid: refs[rid][:9] for rid in rows}
-        assert worker.decode(["new"], 5)[0].token_ids == refs["new"][1:6]
+        in_call = steps[2].token_ids                                   # its tokens after the first
+        assert 1 <= len(in_call) <= 6 and in_call == refs["new"][1:1 + len(in_call)]
+        assert len(steps[2].logprobs) == len(in_call) and steps[2].num_accepted == 0
+        n = 1 + len(in_call)
+        assert worker.decode(["new"], 5)[0].token_ids == refs["new"][n:n + 5]
         assert worker.decode(list(rows), 2)[0].token_ids == refs["x"][9:11]
     finally:
         for rid in [*rows, "new"]:
@@ -105,6 +111,22 @@ def test_a_join_is_prefilled_inside_the_call_and_decodes_after_it(worker, model)
 def test_no_running_call_takes_no_join(worker) -> None:
     assert worker.join_running_call([("z", _prompt(4, 5), GREEDY)]) is None
     assert "z" not in worker.request_ids
+
+
+def test_a_join_decodes_no_more_than_its_max_tokens(worker, model) -> None:
+    rows, newcomer = {"x": _prompt(11, 10)}, _prompt(12, 7)
+    worker.add_requests([(r, p, GREEDY) for r, p in rows.items()])
+    joined = []
+    two = SamplingParams(temperature=0.0, seed=0, max_tokens=2)
+    try:
+        with _StepHook(worker, 2, lambda: joined.append(worker.join_running_call([("new", newcomer, two)]))):
+            steps = worker.decode(["x"], 8)
+        assert joined[0].result(timeout=0)[0].token_ids == _hf_greedy(model[1], newcomer, 1)
+        assert [s.request_id for s in steps] == ["x", "new"] and steps[1].token_ids == _hf_greedy(model[1], newcomer, 2)[1:]
+    finally:
+        for rid in ("x", "new"):
+            if rid in worker.request_ids:
+                worker.release(rid)
 
 
 def test_a_refused_join_fails_alone(worker, model) -> None:
