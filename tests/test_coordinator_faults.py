@@ -141,28 +141,31 @@ def test_a_stale_abort_of_a_reused_id_leaves_the_new_request_alone() -> None:
 
 def test_an_id_reused_while_its_release_is_in_flight_waits_for_it(monkeypatch) -> None:
     """Abort + reuse landing while the step loop awaits a KV release: the new request is admitted
-    only after the old one's release ran (the engines refuse an id that is still active)."""
-    release_started = asyncio.Event()
+    only after the old one's release ran (the engines refuse an id that is still active). The
+    release of "short" is held until the abort and the reuse have landed (no timing race)."""
+    release_started, proceed = asyncio.Event(), asyncio.Event()
     release = FakeVerifier.ReleaseRequests
 
-    async def slow_release(self, request, context):
-        release_started.set()
-        await asyncio.sleep(0.2)  # a busy engine host
+    async def held_release(self, request, context):
+        if "short" in request.request_ids:
+            release_started.set()
+            await proceed.wait()  # a busy engine host
         return await release(self, request, context)
 
-    monkeypatch.setattr(FakeVerifier, "ReleaseRequests", slow_release)
+    monkeypatch.setattr(FakeVerifier, "ReleaseRequests", held_release)
 
     async def main():
         async with Harness(mode="psd", max_num_seqs=2, delay_s=0.01) as h:
-            # long enough to be still running when the abort lands, also on a loaded host
-            old = asyncio.create_task(h.generate("dup", [4, 5], max_tokens=50000, ignore_eos=True))
+            old = asyncio.create_task(h.generate("dup", [4, 5], max_tokens=500, ignore_eos=True))
             await wait_until(lambda: "dup" in h.scheduler.running, timeout_s=5)
             await h.generate("short", [6, 7], max_tokens=2, ignore_eos=True)
-            release_started.clear()
             await release_started.wait()  # the loop is in _sync, releasing "short"
             assert (await h.stub.Abort(common_pb2.AbortRequest(request_id="dup"))).found
             assert (await old)[1] == "abort"
-            tokens, reason, _ = await h.generate("dup", [6, 7], max_tokens=8, ignore_eos=True)
+            reuse = asyncio.create_task(h.generate("dup", [6, 7], max_tokens=8, ignore_eos=True))
+            await wait_until(lambda: "dup" in h.scheduler.waiting, timeout_s=5)   # queued, its release pending
+            proceed.set()
+            tokens, reason, _ = await reuse
             assert reason == "length" and tokens == _expected([6, 7], {"max_tokens": 8, "ignore_eos": True})
             await wait_until(lambda: not h.verifier.committed, timeout_s=5)
 
