@@ -64,7 +64,10 @@ class VerifierEngine:
 
         Raises: ValueError (duplicate/active id, bad params), CapacityError (no slot, too long).
         """
-        request = self._checked_add(request)
+        return self.add_checked(self._checked_add(request))
+
+    def add_checked(self, request: engine_pb2.AddRequestsRequest) -> engine_pb2.AddRequestsResponse:
+        """``add`` of a request ``join_call`` has checked and seeded already."""
         start = time.perf_counter()
         self._broadcast(CMD_ADD, request)
         outputs = self._apply_add(request)
@@ -74,7 +77,7 @@ class VerifierEngine:
         """Any thread: hand ``request`` to the worker's multi-step call now running, which
         prefills it between two of its steps (``specdec.vllm_backend.joining``; vLLM engine, no TP
         channel of ours). Returns (the request checked, with its seeds drawn; the future of its
-        ``AddRequestsResponse``, or None when no call takes it: then ``add`` the returned request).
+        ``AddRequestsResponse``, or None when no call takes it: then ``add_checked`` the returned request).
 
         Raises: ValueError (duplicate/active id, bad params), as ``add``.
         """

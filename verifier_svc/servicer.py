@@ -80,7 +80,7 @@ class VerifierServicer(engine_pb2_grpc.VerifierServicer):
             request, joined = self.engine.join_call(request)
             if joined is not None:
                 return await asyncio.wrap_future(joined)
-            return await self.executor.run(self.engine.add, request)
+            return await self.executor.run(self.engine.add_checked, request)
         except Exception as exc:
             await abort_with(context, exc)
 

@@ -11,7 +11,6 @@ prefilled before it returns; the ``verifier_svc`` layer answers it as an ``AddRe
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import _build_tiny_llama
 from minedraft.v1 import engine_pb2
@@ -19,15 +18,8 @@ from specdec.sample.sampling import SamplingParams
 from specdec.vllm_backend.engine import VllmEngineConfig
 from specdec.vllm_backend.scheduler import PsdStep
 from specdec.vllm_backend.target import VllmTargetWorker
+from test_multi_step_decode import GREEDY, MAX_LEN, SHAPE, _hf_greedy, _prompt
 from verifier_svc.engine import VerifierEngine
-
-SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
-VOCAB, MAX_LEN = 128, 96
-GREEDY = SamplingParams(temperature=0.0, seed=0)
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +34,6 @@ def model(tmp_path_factory):
 def worker(model):
     return VllmTargetWorker(VllmEngineConfig(model=model[0], max_num_seqs=4, max_model_len=MAX_LEN, enforce_eager=True,
                                              kv_cache_space_gib=0.05, async_scheduling=True))
-
-
-@torch.no_grad()
-def _hf_greedy(net, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(net(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 class _StepHook:
