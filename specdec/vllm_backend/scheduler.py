@@ -103,7 +103,6 @@ class PsdSchedulerMixin:
                   or done.get(r.request_id, 0) >= step.quota(r.request_id)]
         self.running = [r for r in self.running if r not in paused]
         candidates = {r.request_id: r for r in [*self.running, *self.waiting]}
-        computed_before = {rid: r.num_computed_tokens for rid, r in candidates.items()}
         for request in self.running:   # the drafts go with a request's first sampling step
             is_first = done.get(request.request_id, 0) == 0
             request.spec_token_ids = list(step.draft_token_ids.get(request.request_id, ()) if is_first else ())
@@ -114,11 +113,18 @@ class PsdSchedulerMixin:
         if output.preempted_req_ids:
             raise RuntimeError(f"vLLM preempted {sorted(output.preempted_req_ids)}: the KV cache is too small "
                                "for the resident requests")
-        for rid, num_tokens in output.num_scheduled_tokens.items():
+        for rid in output.num_scheduled_tokens:
             request = candidates.get(rid)
-            if request is not None and computed_before[rid] + num_tokens >= request.num_prompt_tokens:
+            if request is not None and _samples(request):
                 done[rid] = done.get(rid, 0) + 1   # this step samples a token (not a prompt chunk)
         return output
+
+
+def _samples(request) -> bool:
+    """Whether the step just scheduled for ``request`` samples a token: its prompt is computed
+    once the step's tokens are (vLLM's ``schedule`` has advanced ``num_computed_tokens`` by them,
+    prefix-cache hits included: a waiting request's hits are not counted before ``schedule``)."""
+    return request.num_computed_tokens >= request.num_prompt_tokens
 
 
 class PsdScheduler(PsdSchedulerMixin, Scheduler):

@@ -134,6 +134,28 @@ def test_interleaved_batches_each_equal_their_greedy_reference(target, models):
         target.release("mix-a"), target.release("mix-b")
 
 
+def test_prefills_split_over_steps_after_prefix_cache_hits_sample_one_token(target, models):
+    """Prompts whose cached prefix vLLM finds inside ``schedule``: those done in the first step
+    stay paused while the rest finish (the step counter must count the hits), so each add
+    returns exactly its first token and verification goes on from it."""
+    block = target.engine.vllm_config.cache_config.block_size
+    shared = _prompt(30, block)
+    target.add_requests([("warm", shared + [3], GREEDY)]), target.release("warm")   # caches the block
+    ids = [f"hit-{i}" for i in range(6)]
+    prompts = {rid: shared + _prompt(31 + i, 60) for i, rid in enumerate(ids)}   # 6 x 60 new > one step
+    assert 6 * 60 > target.cfg.batched_tokens
+    refs = {rid: _hf_greedy(models[2], p, K + 2) for rid, p in prompts.items()}
+    firsts = target.add_requests([(rid, prompts[rid], GREEDY) for rid in ids])
+    try:
+        assert [o.token_ids for o in firsts] == [refs[rid][:1] for rid in ids]
+        out = target.verify(ids, [refs[rid][1:1 + K] for rid in ids])
+        assert [o.num_accepted for o in out] == [K] * 6
+        assert [o.token_ids for o in out] == [refs[rid][1:K + 2] for rid in ids]
+    finally:
+        for rid in ids:
+            target.release(rid)
+
+
 def test_wrong_drafts_accept_exactly_the_correct_prefix_and_equal_ar(target, models):
     prompt = _prompt(6, 20)
     ref = _hf_greedy(models[2], prompt, 60)
