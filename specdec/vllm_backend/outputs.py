@@ -33,6 +33,12 @@ class StepDelta:
         self.num_steps += 1
         self.finish_reason = output.finish_reason or self.finish_reason
 
+    def first(self) -> "StepDelta":
+        """The first token's delta (a joined request's answer to its join: the tokens after it
+        go back with the call, ``after_first``)."""
+        return StepDelta(self.token_ids[:1], None if self.logprobs is None else self.logprobs[:1],
+                         min(self.num_steps, 1), self.finish_reason if len(self.token_ids) == 1 else None)
+
     def after_first(self) -> "StepDelta":
         """The deltas without their first token (a joined request's, whose first token went
         back with its join)."""

@@ -271,11 +271,13 @@ class VllmTargetWorker:
         return taken
 
     def _resolve_joins(self, joined: list, merged: dict) -> list:
-        """Resolve each join whose requests all have their first token; returns the others."""
+        """Resolve each join whose requests all have their first token, with that token alone (a
+        request can decode on while a sibling's prompt is still being prefilled in chunks; the
+        call returns its later tokens); returns the others."""
         waiting = []
         for join, added in joined:
             if all(rid in merged and merged[rid].token_ids for rid in added):
-                join.future.set_result(self._first_tokens(join.items, added, merged))
+                join.future.set_result(self._first_tokens(join.items, added, {rid: merged[rid].first() for rid in added}))
             else:
                 waiting.append((join, added))
         return waiting

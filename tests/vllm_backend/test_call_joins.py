@@ -92,6 +92,30 @@ def test_a_join_is_prefilled_inside_the_call_and_decodes_after_it(worker, model)
                 worker.release(rid)
 
 
+def test_a_join_whose_sibling_prefills_in_chunks_answers_with_its_first_token_only(worker, model) -> None:
+    """Two requests in one join, the second's prompt too long for the step's token budget: the
+    first decodes on while the second finishes its prefill, yet the join answers each with its
+    first token and the call returns the first's later tokens once (no token twice)."""
+    short, long = _prompt(13, 20), _prompt(14, 80)
+    assert len(short) + len(long) + 1 > worker.cfg.batched_tokens      # the long prompt takes two steps
+    refs = {"short": _hf_greedy(model[1], short, 9), "long": _hf_greedy(model[1], long, 9)}
+    worker.add_requests([("x", _prompt(15, 10), GREEDY)])
+    joined = []
+    try:
+        with _StepHook(worker, 2, lambda: joined.append(
+                worker.join_running_call([("short", short, GREEDY), ("long", long, GREEDY)]))):
+            steps = worker.decode(["x"], 8)
+        assert [o.token_ids for o in joined[0].result(timeout=0)] == [refs["short"][:1], refs["long"][:1]]
+        later = {s.request_id: s.token_ids for s in steps[1:]}
+        assert len(later["short"]) >= 2                                  # it decoded while "long" prefilled
+        for rid, tokens in later.items():
+            assert tokens == refs[rid][1:1 + len(tokens)], rid
+    finally:
+        for rid in ("x", "short", "long"):
+            if rid in worker.request_ids:
+                worker.release(rid)
+
+
 def test_no_running_call_takes_no_join(worker) -> None:
     assert worker.join_running_call([("z", _prompt(4, 5), GREEDY)]) is None
     assert "z" not in worker.request_ids
