@@ -15,7 +15,7 @@ import pytest
 
 from bench.engines.compare_systems import SystemName, parse_system, synthetic_rates, vllm_server_argv
 from bench.engines.engines_compare import CompareConfig
-from bench.engines.report_compare import greedy_vs_reference, markdown, ratios_by_concurrency
+from bench.engines.report_compare import greedy_vs_reference, markdown, ratios_by_concurrency, repeats_a_stretch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
@@ -127,8 +127,21 @@ def test_greedy_comparison_counts_equal_outputs_on_common_prompts_at_the_same_co
                _record("sd-vllm", 1, 1.0, {"1": "a", "2": "b"}), _record("psd-vllm", 4, 1.0, {"1": "a"}),
                _record("ar-vllm", 1, 1.0)]
     assert greedy_vs_reference(records) == [
-        {"system": "psd-vllm", "concurrency": 1, "num_equal": 1, "num_compared": 2},
-        {"system": "sd-vllm", "concurrency": 1, "num_equal": 2, "num_compared": 2}]
+        {"system": "psd-vllm", "concurrency": 1, "num_equal": 1, "num_compared": 2, "num_repeats": 0},
+        {"system": "sd-vllm", "concurrency": 1, "num_equal": 2, "num_compared": 2, "num_repeats": 0}]
+
+
+def test_a_mismatch_that_streams_a_stretch_twice_is_told_from_a_substitution():
+    ref = "In a world where technology has transformed the way we live"
+    assert repeats_a_stretch(ref, "In a world a world where technology has transformed the way")   # tokens sent twice
+    assert repeats_a_stretch(ref, "In aa world where technology has transformed the way we")
+    assert not repeats_a_stretch(ref, "In a world where science has transformed the way we live")    # numerics
+    assert not repeats_a_stretch(ref, ref) and not repeats_a_stretch(ref, "In a world a world where people")
+    records = [_record("vllm-ar", 1, 1.0, {"1": ref, "2": ref}),
+               _record("ar-vllm", 1, 1.0, {"1": "In a world a world where technology has transformed the way we",
+                                           "2": "In a world where science has transformed the way we live"})]
+    check = greedy_vs_reference(records)[0]
+    assert (check["num_equal"], check["num_repeats"]) == (0, 1)
 
 
 def _results(failures=()) -> dict:
@@ -202,7 +215,8 @@ def test_tiny_cpu_run_of_vllm_ar_and_psd_vllm_writes_both_and_equal_greedy_outpu
         assert run["concurrency"] == 1 and run["errors"] == []
         assert run["metrics"]["num_output_tokens"] == 8 and run["metrics"]["output_tokens_per_s"] > 0
     assert runs["psd-vllm"]["step_split"]["verify_ms"] > 0
-    assert results["greedy_vs_vllm_ar"] == [{"system": "psd-vllm", "concurrency": 1, "num_equal": 1, "num_compared": 1}]
+    assert results["greedy_vs_vllm_ar"] == [{"system": "psd-vllm", "concurrency": 1, "num_equal": 1, "num_compared": 1,
+                                             "num_repeats": 0}]
     outputs = json.loads((out / "outputs.json").read_text())
     assert outputs["vllm-ar-c1"]["1"] and outputs["vllm-ar-c1"] == outputs["psd-vllm-c1"]   # same non-empty text
     assert "| psd-vllm | 1 |" in (out / "results.md").read_text()

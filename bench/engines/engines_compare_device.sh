@@ -24,7 +24,8 @@ if [ ! -f $SITE/.installed ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE /root/stage/x/whl/*.whl || exit 1
   touch $SITE/.installed
 fi
-[ -d drafts/smollm2-135m-instruct ] || cp -r /root/stage/x/drafts ./drafts   # staged: too big to travel with the tree
+# staged: too big to travel with the tree (a checkout sent without it can leave an empty dir behind)
+[ -f drafts/smollm2-135m-instruct/config.json ] || { mkdir -p drafts && cp -r /root/stage/x/drafts/. ./drafts/; }
 export PYTHONPATH=$SITE:$PWD
 python3 -c 'import torch, vllm, transformers, grpc; print("torch", torch.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__, "grpc", grpc.__version__, "gpus", torch.cuda.device_count())' || exit 1
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader

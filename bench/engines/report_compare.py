@@ -47,9 +47,27 @@ def greedy_vs_reference(records: list[dict]) -> list[dict]:
             continue
         common = sorted(set(ref) & set(r["outputs"]))
         equal = sum(ref[p] == r["outputs"][p] for p in common)
+        repeats = sum(repeats_a_stretch(ref[p], r["outputs"][p]) for p in common)
         out.append({"system": r["system"], "concurrency": r["concurrency"], "num_equal": equal,
-                    "num_compared": len(common)})
+                    "num_compared": len(common), "num_repeats": repeats})
     return out
+
+
+def repeats_a_stretch(reference: str, text: str, max_len: int = 200, context: int = 20) -> bool:
+    """Whether ``text`` leaves ``reference`` by repeating the stretch just before the divergence
+    and then goes on as ``reference`` does: tokens streamed twice, a serving bug's signature (a
+    numerics difference substitutes a token instead)."""
+    i = next((j for j, (a, b) in enumerate(zip(reference, text)) if a != b), None)
+    if i is None:
+        return False
+    after = reference[i:i + context]
+    return any(text[i:i + n] == reference[i - n:i] and text[i + n:i + n + len(after)] == after
+               for n in range(1, min(max_len, i) + 1))
+
+
+def _repeat_note(check: dict) -> str:
+    n = check.get("num_repeats", 0)
+    return f" (**{n} repeat a stretch of text**: a serving bug, not numerics)" if n else ""
 
 
 def _fmt(value, digits: int = 1) -> str:
@@ -93,10 +111,10 @@ def markdown(results: dict, cfg) -> str:
         lines += ["", "Greedy outputs: with fixed acceptance only `ar` systems are comparable token for token "
                       "(speculative outputs follow the benchmark-only acceptance, not the target):", ""]
         lines += [f"- {g['system']} c={g['concurrency']}: {g['num_equal']}/{g['num_compared']} equal to vllm-ar"
-                  for g in results["greedy_vs_vllm_ar"] if g["system"].startswith("ar-")]
+                  + _repeat_note(g) for g in results["greedy_vs_vllm_ar"] if g["system"].startswith("ar-")]
     elif results["greedy_vs_vllm_ar"]:
         lines += ["", "Greedy outputs equal to vllm-ar's (same prompts, same concurrency):", ""]
-        lines += [f"- {g['system']} c={g['concurrency']}: {g['num_equal']}/{g['num_compared']}"
+        lines += [f"- {g['system']} c={g['concurrency']}: {g['num_equal']}/{g['num_compared']}" + _repeat_note(g)
                   for g in results["greedy_vs_vllm_ar"]]
     lines += [f"\n**FAILED** {f['system']}: `{f['error'][-500:]}`" for f in results["failures"]]
     return "\n".join(lines) + "\n"
