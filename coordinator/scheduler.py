@@ -294,8 +294,9 @@ class Scheduler(StepLoop):
                 continue  # aborted while prefilling; its release is queued
             if isinstance(out, grpc.aio.AioRpcError):
                 self._retire(request, None, error=(out.code(), f"verifier prefill failed: {out.details()}"))
-            elif out is None:
-                self._retire(request, None, error=(grpc.StatusCode.INTERNAL, "verifier returned no first token"))
+            elif out is None or len(out.token_ids) != 1:
+                self._retire(request, None, error=(grpc.StatusCode.INTERNAL, "verifier returned "
+                                                   f"{0 if out is None else len(out.token_ids)} first tokens, not 1"))
             elif self._commit(request, list(out.token_ids), list(out.logprobs), 0, 0, list(out.top_logprobs)):
                 alive.append(request.request_id)
         if self.cfg.uses_batches:

@@ -97,6 +97,33 @@ def test_a_refused_prompt_fails_alone() -> None:
     asyncio.run(main())
 
 
+def test_a_first_output_of_more_than_one_token_fails_that_request_alone(monkeypatch) -> None:
+    """AddRequests answers each new request with its first token only; a verifier that sends more
+    (tokens its decode calls would send again) fails that request, not the others."""
+    original = FakeVerifier.AddRequests
+
+    async def add(self, request, context):
+        response = await original(self, request, context)
+        for out in response.outputs:
+            if out.request_id == "two-firsts":
+                out.token_ids.append(7)
+        return response
+
+    monkeypatch.setattr(FakeVerifier, "AddRequests", add)
+
+    async def main():
+        async with Harness(mode="ar", max_num_seqs=3) as h:
+            work = _workload(3)
+            tasks = [h.generate(rid, p, **s) for rid, p, s in work] + [h.generate("two-firsts", [4, 5], max_tokens=5)]
+            *results, bad = await asyncio.gather(*tasks)
+            assert bad[1] == "error" and bad[2].code == grpc.StatusCode.INTERNAL.value[0]
+            assert "2 first tokens, not 1" in bad[2].message
+            for (rid, prompt, sampling), (tokens, _, _) in zip(work, results):
+                assert tokens == _expected(prompt, sampling), rid
+
+    asyncio.run(main())
+
+
 def test_invalid_and_excess_requests_get_errors() -> None:
     async def main():
         async with Harness(mode="sd", max_num_seqs=1, max_queue_len=1, delay_s=0.02) as h:
