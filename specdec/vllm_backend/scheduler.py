@@ -102,7 +102,6 @@ class PsdSchedulerMixin:
         paused = [r for r in self.running if r.request_id not in step.request_ids
                   or done.get(r.request_id, 0) >= step.quota(r.request_id)]
         self.running = [r for r in self.running if r not in paused]
-        candidates = {r.request_id: r for r in [*self.running, *self.waiting]}
         for request in self.running:   # the drafts go with a request's first sampling step
             is_first = done.get(request.request_id, 0) == 0
             request.spec_token_ids = list(step.draft_token_ids.get(request.request_id, ()) if is_first else ())
@@ -114,8 +113,7 @@ class PsdSchedulerMixin:
             raise RuntimeError(f"vLLM preempted {sorted(output.preempted_req_ids)}: the KV cache is too small "
                                "for the resident requests")
         for rid in output.num_scheduled_tokens:
-            request = candidates.get(rid)
-            if request is not None and _samples(request):
+            if _samples(self.requests[rid]):
                 done[rid] = done.get(rid, 0) + 1   # this step samples a token (not a prompt chunk)
         return output
 

@@ -123,7 +123,9 @@ class VllmTargetWorker:
 
     @staticmethod
     def _first_tokens(items, added: dict[str, _Resident], outputs: dict) -> list:
-        return [step_output(rid, outputs[rid], 0, added[rid].params.logprobs) for rid, _, _ in items]
+        """Each new request's first token (a joined request may have decoded more meanwhile: the
+        call returns those, ``StepDelta.after_first``)."""
+        return [step_output(rid, outputs[rid].first(), 0, added[rid].params.logprobs) for rid, _, _ in items]
 
     def _check_prompt(self, request_id: str, prompt: list[int]) -> None:
         if not prompt:
@@ -271,13 +273,11 @@ class VllmTargetWorker:
         return taken
 
     def _resolve_joins(self, joined: list, merged: dict) -> list:
-        """Resolve each join whose requests all have their first token, with that token alone (a
-        request can decode on while a sibling's prompt is still being prefilled in chunks; the
-        call returns its later tokens); returns the others."""
+        """Resolve each join whose requests all have their first token; returns the others."""
         waiting = []
         for join, added in joined:
             if all(rid in merged and merged[rid].token_ids for rid in added):
-                join.future.set_result(self._first_tokens(join.items, added, {rid: merged[rid].first() for rid in added}))
+                join.future.set_result(self._first_tokens(join.items, added, merged))
             else:
                 waiting.append((join, added))
         return waiting
