@@ -39,7 +39,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from minedraft.v1 import common_pb2, generate_pb2
 
-from gateway.validation import InvalidRequestError
+from gateway.validation import NO_LOGPROBS, InvalidRequestError
 
 DEFAULT_TEMPERATURE = 1.0
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # proto int32 fields (token ids, max_tokens, top_k, ...)
@@ -218,6 +218,15 @@ def _one_prompt(prompt) -> str | list[int]:
     return prompt[0]
 
 
+def _completion_logprobs(body: CompletionRequest) -> int:
+    """``sampling.logprobs`` of a completions body: its ``logprobs`` when set; else none at all
+    (``NO_LOGPROBS``: the engines skip computing them, as vLLM does for such a request), unless
+    ``best_of`` > n ranks the samples by their cumulative logprob."""
+    if body.logprobs is not None:
+        return body.logprobs
+    return 0 if (body.best_of or 0) > max(body.n, 1) else NO_LOGPROBS
+
+
 def completion_to_generate(body: CompletionRequest, request_id: str) -> generate_pb2.GenerateRequest:
     """The public GenerateRequest of a completions body.
 
@@ -236,7 +245,7 @@ def completion_to_generate(body: CompletionRequest, request_id: str) -> generate
         raise InvalidRequestError("best_of", "cannot be used with stream (the best choices are known only at the end)")
     request = generate_pb2.GenerateRequest(
         request_id=request_id, model=body.model or "", n=body.n, best_of=body.best_of or 0,
-        sampling=_sampling(body, body.max_tokens, body.logprobs or 0))
+        sampling=_sampling(body, body.max_tokens, _completion_logprobs(body)))
     prompt = _one_prompt(body.prompt)
     if isinstance(prompt, str):
         request.prompt = prompt
@@ -281,7 +290,7 @@ def chat_to_generate(body: ChatCompletionRequest, request_id: str) -> generate_p
         messages=[generate_pb2.ChatMessage(role=m.role, content=m.text()) for m in body.messages])
     return generate_pb2.GenerateRequest(
         request_id=request_id, model=body.model or "", n=body.n, messages=messages,
-        sampling=_sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else 0))
+        sampling=_sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else NO_LOGPROBS))
 
 
 def openai_param(field: str, body: _SamplingFields) -> str:

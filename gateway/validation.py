@@ -34,6 +34,7 @@ UNSET = 0
 TOP_K_OFF = -1
 TOP_P_OFF = 1.0
 MAX_TOP_LOGPROBS = 20
+NO_LOGPROBS = -1   # sampling.logprobs: no logprobs at all (chunks carry none; specdec.sample.sampling.NO_LOGPROBS)
 CHAT_ROLES = ("system", "user", "assistant")
 PROMPT_BYTES_SLACK = 2  # a tokenizer's normalizer (e.g. NFC) may shrink text before it is split
 MAX_REQUEST_ID_CHARS = 512
@@ -135,8 +136,8 @@ def _check_sampling(s: common_pb2.SamplingParams, vocab_size: int, max_num_stops
         raise InvalidRequestError("sampling.seed", f"must be >= 0, got {s.seed}")
     if s.max_tokens < 0:
         raise InvalidRequestError("sampling.max_tokens", f"must be > 0, got {s.max_tokens}")
-    if s.logprobs < 0:
-        raise InvalidRequestError("sampling.logprobs", f"must be >= 0, got {s.logprobs}")
+    if s.logprobs < NO_LOGPROBS:
+        raise InvalidRequestError("sampling.logprobs", f"must be >= 0, or -1 (none), got {s.logprobs}")
     if s.logprobs > MAX_TOP_LOGPROBS:
         raise InvalidRequestError("sampling.logprobs", f"must be <= {MAX_TOP_LOGPROBS}, got {s.logprobs}")
     if len(s.stop) > max_num_stops:
@@ -212,7 +213,10 @@ def _check_request_fields(request: generate_pb2.GenerateRequest, cfg: GatewayCon
                                                 f"{len(request.request_id)}")
     if request.model and request.model != cfg.model_name:
         raise InvalidRequestError("model", f"unknown model {request.model!r}; served: {cfg.model_name!r}")
-    _num_choices(request, cfg.max_n)
+    n, best_of = _num_choices(request, cfg.max_n)
+    if best_of > n and request.sampling.logprobs == NO_LOGPROBS:
+        raise InvalidRequestError("sampling.logprobs", f"-1 (none) cannot rank best_of={best_of} > n={n} samples "
+                                                       "(by their cumulative logprob); send 0 or more")
 
 
 def _num_choices(request: generate_pb2.GenerateRequest, max_n: int) -> tuple[int, int]:

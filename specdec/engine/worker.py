@@ -26,7 +26,7 @@ from specdec.sample.fixed_acceptance import FixedAcceptance, fixed_acceptance_sa
 from specdec.sample.penalties import apply_penalties
 from specdec.sample.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
 from specdec.engine.runner import ModelRunner
-from specdec.sample.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from specdec.sample.sampling import NO_LOGPROBS, SamplingParams, logits_to_probs, sample_from_probs
 from specdec.engine.worker_base import (DraftCapacityError, RequestState, StepOutput, Worker, decode_steps, penalty_history,
                                  top_logprobs)
 from specdec.engine.worker_base import tracer as _tracer
@@ -77,7 +77,8 @@ class TargetWorker(Worker):
             if params.has_penalties:
                 state.committed.append(token_id)
             logprobs = logits.log_softmax(-1)                            # [1, V]
-            outputs.append(StepOutput(request_id, [token_id], 0, [float(logprobs[0, token_id])],
+            chosen = [] if params.logprobs == NO_LOGPROBS else [float(logprobs[0, token_id])]
+            outputs.append(StepOutput(request_id, [token_id], 0, chosen,
                                       top_logprobs(logprobs, params.logprobs)))
         return outputs
 
@@ -164,7 +165,8 @@ class TargetWorker(Worker):
         if state.params.has_penalties:
             state.committed += token_ids
         positions = torch.arange(num_accepted + 1)
-        token_logprobs = logprobs[positions, torch.tensor(token_ids)].tolist()
+        token_logprobs = ([] if state.params.logprobs == NO_LOGPROBS
+                          else logprobs[positions, torch.tensor(token_ids)].tolist())
         return StepOutput(request_id, token_ids, num_accepted, token_logprobs,
                           top_logprobs(logprobs[: num_accepted + 1], state.params.logprobs))
 

@@ -34,7 +34,8 @@ class StepOutput:
     ``logprobs[i]`` is the target model's own log-probability of ``token_ids[i]``: log-softmax of
     the raw logits (temperature 1, no top-k/top-p/min-p), natural log. ``top_logprobs[i]`` is
     ``(token ids, logprobs)`` of the ``params.logprobs`` most likely tokens at that position
-    (same log-softmax, most likely first); empty when ``params.logprobs`` is 0.
+    (same log-softmax, most likely first); empty when ``params.logprobs`` is 0. Both are empty
+    when ``params.logprobs`` is ``NO_LOGPROBS`` (-1).
     """
 
     request_id: str

@@ -22,6 +22,8 @@ import torch
 
 TOP_K_OFF = -1
 """``top_k`` value meaning "no top-k filter" (0 is accepted as an alias)."""
+NO_LOGPROBS = -1
+"""``logprobs`` value meaning "no logprobs at all" (vLLM's ``logprobs=None``)."""
 GREEDY_TEMPERATURE = 0.0
 """``temperature`` value meaning greedy (argmax) decoding."""
 _NOISE_DTYPE = torch.float64  # fixed so generator consumption never depends on the model dtype
@@ -42,7 +44,8 @@ class SamplingParams:
         stop_token_ids: token ids that end the request (the stop token is emitted).
         ignore_eos: if True, the model's EOS does not end the request.
         logprobs: how many most likely tokens (with their target log-probabilities) to return
-            per output token, >= 0; 0 = only the sampled token's log-probability.
+            per output token, >= 0; 0 = only the sampled token's log-probability; ``NO_LOGPROBS``
+            (-1) = none (the vLLM engine then computes none).
         presence_penalty: in [-2, 2]; subtracted from the logit of every token that occurs in the
             output so far (vLLM / OpenAI); 0 = off.
         frequency_penalty: in [-2, 2]; subtracted times the token's count in the output so far.
@@ -81,8 +84,8 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an int >= 0, got {self.seed}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens}")
-        if not isinstance(self.logprobs, int) or self.logprobs < 0:
-            raise ValueError(f"logprobs must be an int >= 0, got {self.logprobs}")
+        if not isinstance(self.logprobs, int) or self.logprobs < NO_LOGPROBS:
+            raise ValueError(f"logprobs must be an int >= 0, or -1 (none), got {self.logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 
 from specdec.errors import CapacityError
-from specdec.sample.sampling import TOP_K_OFF, SamplingParams
+from specdec.sample.sampling import NO_LOGPROBS, TOP_K_OFF, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +234,8 @@ def to_vllm_sampling(params: SamplingParams, max_tokens: int, seed: int | None =
     handling off (the coordinator finishes requests), ``max_tokens`` output tokens, token ids only (no detokenizer), deltas per step, and the sampled token's
     raw logprob plus ``params.logprobs`` top logprobs (vLLM's ``raw_logprobs``: log-softmax of
     the unprocessed logits, as ``specdec.engine.worker_base.StepOutput`` defines them); none at all
-    without ``with_logprobs`` (draft tokens: nobody reads their logprobs)."""
+    without ``with_logprobs`` (draft tokens: nobody reads their logprobs) or when ``params.logprobs``
+    is ``NO_LOGPROBS`` (the client asked none: vLLM then skips the log-softmax and its output)."""
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -243,5 +244,6 @@ def to_vllm_sampling(params: SamplingParams, max_tokens: int, seed: int | None =
         top_p=params.top_p, min_p=params.min_p, seed=params.seed if seed is None else seed,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
-        max_tokens=max_tokens, ignore_eos=True, logprobs=params.logprobs if with_logprobs else None,
+        max_tokens=max_tokens, ignore_eos=True,
+        logprobs=params.logprobs if with_logprobs and params.logprobs != NO_LOGPROBS else None,
         detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.DELTA)

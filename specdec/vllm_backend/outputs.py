@@ -49,17 +49,23 @@ class StepDelta:
 def step_output(request_id: str, output, num_draft_tokens: int, num_top: int) -> StepOutput:
     """``StepOutput`` of one request's step: the committed tokens (accepted drafts then one
     recovered or bonus token), ``num_accepted = len - 1`` when drafts were verified, the raw
-    logprob of each token and its ``num_top`` most likely alternatives (vLLM's ranks)."""
+    logprob of each token and its ``num_top`` most likely alternatives (vLLM's ranks); no
+    logprobs at all when ``num_top`` is ``NO_LOGPROBS`` (-1)."""
     token_ids = list(output.token_ids)
     logprobs, top = [], []
+    if output.logprobs is None and num_top < 0:   # NO_LOGPROBS: none asked, none computed
+        return StepOutput(request_id, token_ids, _num_accepted(token_ids, num_draft_tokens), [], [])
     for token_id, candidates in zip(token_ids, output.logprobs or [{}] * len(token_ids)):
         chosen = candidates.get(token_id)
         logprobs.append(chosen.logprob if chosen is not None else math.nan)
         if num_top > 0:
             ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in candidates.items() if lp.rank <= num_top)
             top.append(([tid for _, tid, _ in ranked], [value for _, _, value in ranked]))
-    num_accepted = min(len(token_ids) - 1, num_draft_tokens) if num_draft_tokens else 0
-    return StepOutput(request_id, token_ids, num_accepted, logprobs, top)
+    return StepOutput(request_id, token_ids, _num_accepted(token_ids, num_draft_tokens), logprobs, top)
+
+
+def _num_accepted(token_ids: list[int], num_draft_tokens: int) -> int:
+    return min(len(token_ids) - 1, num_draft_tokens) if num_draft_tokens else 0
 
 
 def engine_facts(engine, cfg) -> EngineFacts:

@@ -115,3 +115,20 @@ def test_psd_step_refuses_bad_num_steps() -> None:
         PsdStep(frozenset({"a"}), {"a": [1, 2]}, num_steps=2)
     with pytest.raises(ValueError, match="async_scheduling"):
         VllmEngineConfig(model="m", num_speculative_tokens=2, async_scheduling=True)
+
+
+@pytest.mark.parametrize("engine", ["ar_target", "sd_target"])
+def test_a_request_without_logprobs_decodes_the_same_tokens_and_gets_none(engine, request) -> None:
+    from specdec.sample.sampling import NO_LOGPROBS
+
+    worker = request.getfixturevalue(engine)
+    runs = {}
+    for logprobs in (0, NO_LOGPROBS):
+        params = SamplingParams(temperature=0.0, seed=0, logprobs=logprobs)
+        outs = [worker.add_requests([("q", _prompt(6, 17), params)])[0]]
+        outs += worker.decode(["q"], 4) + worker.verify(["q"], [[]], None)
+        worker.release("q")
+        runs[logprobs] = outs
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[NO_LOGPROBS]]
+    assert all(len(o.logprobs) == len(o.token_ids) for o in runs[0])
+    assert all(o.logprobs == [] and o.top_logprobs == [] for o in runs[NO_LOGPROBS])
