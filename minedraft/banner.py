@@ -17,8 +17,10 @@ def banner_lines(cfg: StackConfig, run_dir: str) -> list[str]:
                   else ", coordinator off (--metrics-port 0)")
     lines[-1] += "; drafter and verifier serve none"
     placement = cfg.placement
-    if cfg.cuda_mps:
+    if cfg.uses_cuda_mps:
         lines.append(f"  CUDA MPS: on (a private daemon; its logs in {run_dir}/mps)")
+    elif cfg.cuda_mps:
+        lines.append("  CUDA MPS: not used (ar runs the target alone: nothing shares its GPU)")
     elif placement.is_shared_gpu and cfg.has_drafter:
         lines.append(f"  note: the drafter shares GPU {placement.resolved_drafter_gpu} with the verifier, so their "
                      "kernels take turns; --cuda-mps lets them run at the same time")

@@ -195,6 +195,12 @@ class StackConfig:
         return self.mode != "ar"
 
     @property
+    def uses_cuda_mps(self) -> bool:
+        """``--cuda-mps`` and something to share the GPU with: ``ar`` has no drafter, so its
+        verifier runs as a plain CUDA process (an MPS client would only add the daemon's hop)."""
+        return self.cuda_mps and self.has_drafter
+
+    @property
     def num_engine_slots(self) -> int:
         """KV slots per engine: 2m (PSD's two batches; the same budget for every mode)."""
         return 2 * self.max_num_seqs
@@ -284,9 +290,9 @@ def verifier_spec(cfg: StackConfig, model_dir: str) -> ServiceSpec:
         launcher = [python, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc-per-node={cfg.tensor_parallel_size}"]
         return ServiceSpec("verifier", [*launcher, *args], f"{cfg.host}:{cfg.verifier_port}", env=env,
-                           is_cuda_mps=cfg.cuda_mps)
+                           is_cuda_mps=cfg.uses_cuda_mps)
     return ServiceSpec("verifier", [python, *args], f"{cfg.host}:{cfg.verifier_port}",
-                       _pinned(cfg, VERIFIER_CPU), env, cfg.cuda_mps)
+                       _pinned(cfg, VERIFIER_CPU), env, cfg.uses_cuda_mps)
 
 
 def drafter_spec(cfg: StackConfig, model_dir: str, draft_dir: str) -> ServiceSpec:
@@ -297,7 +303,7 @@ def drafter_spec(cfg: StackConfig, model_dir: str, draft_dir: str) -> ServiceSpe
         argv += vllm_service_args(cfg, "drafter", draft_dir)
     cpus = _pinned(cfg, DRAFTER_CPU)
     return ServiceSpec("drafter", argv, f"{cfg.host}:{cfg.drafter_port}", cpus, cfg.placement.drafter_env(),
-                       cfg.cuda_mps)
+                       cfg.uses_cuda_mps)
 
 
 def coordinator_spec(cfg: StackConfig) -> ServiceSpec:

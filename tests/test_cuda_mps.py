@@ -155,6 +155,15 @@ def test_a_tensor_parallel_verifier_joins_too():
     assert not verifier_spec(replace(cfg, cuda_mps=False), "/m").is_cuda_mps
 
 
+def test_ar_runs_its_verifier_outside_mps(tmp_path):
+    cfg = StackConfig(mode="ar", device="cuda", verifier_gpus=(0,), drafter_gpu=0, cuda_mps=True)
+    assert not cfg.uses_cuda_mps and not verifier_spec(cfg, "/m").is_cuda_mps
+    assert verifier_spec(replace(cfg, mode="psd"), "/m").is_cuda_mps
+    assert any("CUDA MPS: not used" in line for line in banner_lines(cfg, "runs/x"))
+    stack = Stack(cfg, run_dir=str(tmp_path / "run"))
+    assert stack._mps_env(verifier_spec(cfg, "/m")) == {} and stack.mps is None
+
+
 def test_flags_and_validation():
     parser = build_parser()
     up = parser.parse_args(["up", "--device", "cuda", "--verifier-gpus", "0", "--drafter-gpu", "0", "--cuda-mps"])
