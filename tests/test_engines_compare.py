@@ -137,6 +137,8 @@ def test_a_mismatch_that_streams_a_stretch_twice_is_told_from_a_substitution():
     assert repeats_a_stretch(ref, "In aa world where technology has transformed the way we")
     assert not repeats_a_stretch(ref, "In a world where science has transformed the way we live")    # numerics
     assert not repeats_a_stretch(ref, ref) and not repeats_a_stretch(ref, "In a world a world where people")
+    looping = "Ten are male. Ten are male. Ten are male.\nSo the answer"   # the model loops by itself:
+    assert not repeats_a_stretch(looping, "Ten are male. Ten are male. Ten are male. Ten are male.\nSo the answer")
     records = [_record("vllm-ar", 1, 1.0, {"1": ref, "2": ref}),
                _record("ar-vllm", 1, 1.0, {"1": "In a world a world where technology has transformed the way we",
                                            "2": "In a world where science has transformed the way we live"})]

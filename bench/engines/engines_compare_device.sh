@@ -7,9 +7,9 @@
 # TABLE: paper  - Llama-3-8B-shape target, Qwen3-0.6B-shape draft, random weights, acceptance
 #                 fixed at 0.7 on both sides (ours --bench-fixed-acceptance, vLLM synthetic);
 #        smollm2 - the real SmolLM2-135M-Instruct target with our distilled draft, greedy.
-# Drafter and verifier share GPU 0 under CUDA MPS. Env: SYSTEMS, CONCURRENCIES, EXTRA, DATA (the prompts) override;
+# Drafter and verifier share GPU 0 under CUDA MPS (MPS=0: no MPS). Env: SYSTEMS, CONCURRENCIES, EXTRA, DATA (the prompts) override;
 # SMOKE=1 first runs bench.engines.vllm_backend_smoke (the backend's workers in-process, greedy sd = ar;
-# SMOKE_ARGS its flags, SMOKE_ONLY=1 stops after it).
+# SMOKE_ARGS its flags, SMOKE_ONLY=1 stops after it); PROFILE=1 first runs bench.engines.ar_step_profile (PROFILE_ARGS).
 set -u
 TABLE=${1:?TABLE: paper or smollm2}
 TOTAL_S=${2:-560}
@@ -37,6 +37,10 @@ if [ -n "${SMOKE:-}" ]; then   # SMOKE_ARGS: bench.engines.vllm_backend_smoke's 
       | tee "$OUT/$TABLE/smoke.log" | grep -E "SMOKE|Error|error" | tail -20
   tar czf "$OUT/$TABLE/profile.tgz" -C /tmp prof 2>/dev/null
 fi
+if [ -n "${PROFILE:-}" ]; then   # where ours `ar` step goes against vLLM's own loop on one engine (PROFILE_ARGS: its flags)
+  timeout "${PROFILE_TIMEOUT:-300}" python3 -m bench.engines.ar_step_profile --device cuda --out "$OUT/$TABLE/ar_profile/ar_profile.json" \
+      ${PROFILE_ARGS:---target random:llama-8b --batch-sizes 1,16,64} 2>&1 | tee "$OUT/$TABLE/ar_profile.log" | grep -E "AR_PROFILE|Error" | tail -20
+fi
 [ -z "${SMOKE_ONLY:-}" ] || exit 0
 left() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
 case "$TABLE" in
@@ -48,7 +52,7 @@ case "$TABLE" in
 esac
 python3 -m bench.engines.engines_compare --out-dir "$OUT/$TABLE" --work-dir /tmp/work/$TABLE --device cuda --dtype bfloat16 \
     $ARGS --systems "$SYSTEMS" --concurrencies "${CONCURRENCIES:-1,4,16,32,64}" --k 4 --m 32 \
-    --max-model-len 1024 --cuda-mps --drafter-gpu 0 --requests-per-client 2 --min-requests 4 --max-requests 128 \
+    --max-model-len 1024 $([ "${MPS:-1}" = 0 ] || echo --cuda-mps) --drafter-gpu 0 --requests-per-client 2 --min-requests 4 --max-requests 128 \
     --data "${DATA:-/root/stage/x/question.jsonl}" --time-budget-s "$(( $(left) - 40 ))" ${EXTRA:-}
 echo "engines_compare $TABLE done, $(left) s left"
 tar czf "$OUT/$TABLE/logs.tgz" -C /tmp/work/$TABLE logs 2>/dev/null

@@ -56,12 +56,15 @@ def greedy_vs_reference(records: list[dict]) -> list[dict]:
 def repeats_a_stretch(reference: str, text: str, max_len: int = 200, context: int = 20) -> bool:
     """Whether ``text`` leaves ``reference`` by repeating the stretch just before the divergence
     and then goes on as ``reference`` does: tokens streamed twice, a serving bug's signature (a
-    numerics difference substitutes a token instead)."""
+    numerics difference substitutes a token instead). A stretch the reference itself had just
+    repeated does not count: a model caught in a loop may leave it one round later under other
+    numerics ("A and B. A and B. A and B." then on), which no serving bug is needed for."""
     i = next((j for j, (a, b) in enumerate(zip(reference, text)) if a != b), None)
     if i is None:
         return False
     after = reference[i:i + context]
     return any(text[i:i + n] == reference[i - n:i] and text[i + n:i + n + len(after)] == after
+               and reference[i - 2 * n:i - n] != reference[i - n:i]
                for n in range(1, min(max_len, i) + 1))
 
 
