@@ -28,11 +28,15 @@ class _EmbeddedServer(uvicorn.Server):
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port``; raises OSError (e.g. port in use) right here
-    rather than inside uvicorn, which would exit the process."""
+    rather than inside uvicorn, which would exit the process. Its protocol is named
+    (``IPPROTO_TCP``): asyncio turns Nagle's algorithm off (``TCP_NODELAY``) only on connections
+    whose socket says TCP, and with Nagle on every streamed event after the first waited for the
+    client's delayed ACK (~40 ms on Linux: TTFT 60-75 ms where the gRPC API answered in 20)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
         sock.listen(2048)
         sock.set_inheritable(True)
