@@ -39,7 +39,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from minedraft.v1 import common_pb2, generate_pb2
 
-from gateway.validation import NO_LOGPROBS, InvalidRequestError
+from gateway.validation import MAX_TOP_LOGPROBS, NO_LOGPROBS, InvalidRequestError
 
 DEFAULT_TEMPERATURE = 1.0
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # proto int32 fields (token ids, max_tokens, top_k, ...)
@@ -223,8 +223,16 @@ def _completion_logprobs(body: CompletionRequest) -> int:
     (``NO_LOGPROBS``: the engines skip computing them, as vLLM does for such a request), unless
     ``best_of`` > n ranks the samples by their cumulative logprob."""
     if body.logprobs is not None:
+        _check_num_top("logprobs", body.logprobs)
         return body.logprobs
     return 0 if (body.best_of or 0) > max(body.n, 1) else NO_LOGPROBS
+
+
+def _check_num_top(name: str, value: int | None) -> None:
+    """The HTTP API's top-logprob counts are in [0, MAX_TOP_LOGPROBS] (OpenAI's range; the gRPC
+    API's -1 = none is what a body without them maps to, not a value it may send)."""
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(name, f"must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
 
 
 def completion_to_generate(body: CompletionRequest, request_id: str) -> generate_pb2.GenerateRequest:
@@ -283,6 +291,7 @@ def chat_to_generate(body: ChatCompletionRequest, request_id: str) -> generate_p
     """
     if body.top_logprobs and not body.logprobs:
         raise InvalidRequestError("top_logprobs", "requires logprobs: true")
+    _check_num_top("top_logprobs", body.top_logprobs)
     _check_tools(body)
     _check_contents(body.messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -10,7 +10,7 @@ Sync::
 Async: ``AsyncMineDraftClient`` has the same methods as coroutines / async iterators.
 Sampling keywords are the fields of ``minedraft.v1.SamplingParams`` (temperature, top_k, top_p,
 min_p, seed, max_tokens, stop, stop_token_ids, ignore_eos, include_stop_str_in_output, logprobs:
-the number of top logprobs per token, 0-20). ``abort(request_id)`` stops a running request.
+the number of top logprobs per token, 0-20; 0 = only the sampled token's; -1 = none). ``abort(request_id)`` stops a running request.
 Invalid requests raise ``grpc.RpcError`` with INVALID_ARGUMENT; an error reported inside the
 stream raises ``GenerationError``. ``api_key=`` sends ``authorization: Bearer KEY`` metadata
 (gateways started with ``--api-key``; without it they answer UNAUTHENTICATED).

@@ -39,6 +39,17 @@ def test_completions_ask_no_logprobs_unless_asked_or_best_of_ranks(body, expecte
     assert request.sampling.logprobs == expected
 
 
+@pytest.mark.parametrize("to_generate, body, field", [
+    (completion_to_generate, CompletionRequest(prompt="hi", logprobs=-1), "logprobs"),
+    (completion_to_generate, CompletionRequest(prompt="hi", logprobs=21), "logprobs"),
+    (chat_to_generate, ChatCompletionRequest(messages=CHAT, logprobs=True, top_logprobs=-1), "top_logprobs"),
+    (chat_to_generate, ChatCompletionRequest(messages=CHAT, logprobs=True, top_logprobs=21), "top_logprobs")])
+def test_http_bodies_cannot_send_minus_one_themselves(to_generate, body, field) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        to_generate(body, "r")
+    assert info.value.field == field and "[0, 20]" in str(info.value)
+
+
 class _Tokenizer:
     vocab_size = 100
 
