@@ -78,9 +78,11 @@ class TargetEngine(Protocol):
     def verify(self, request_ids: list[str], draft_token_ids: list[list[int]], draft_probs) -> list:
         """Verify row i's k_i draft tokens (0: decode); ``StepOutput`` of accepted + 1 tokens each."""
 
-    def decode(self, request_ids: list[str], num_steps: int) -> list:
+    def decode(self, request_ids: list[str], num_steps: int, on_step=None) -> list:
         """``num_steps`` plain decode steps in one call (multi-step decoding); ``StepOutput`` of up
-        to ``num_steps`` tokens each (fewer for a row that reaches the context window)."""
+        to ``num_steps`` tokens each (fewer for a row that reaches the context window).
+        ``on_step``: called in the engine thread after each step with the ``StepOutput``s of
+        the rows that got tokens in it (their new tokens only)."""
 
     def release(self, request_id: str) -> None: ...
 

@@ -117,10 +117,13 @@ class VerifierEngine:
                 seq.sampling.seed = self._seed_source.getrandbits(_SEED_BITS)
         return request
 
-    def verify(self, request: engine_pb2.VerifyRequest, plane: int) -> engine_pb2.VerifyResponse:
+    def verify(self, request: engine_pb2.VerifyRequest, plane: int, on_step=None) -> engine_pb2.VerifyResponse:
         """One verify step (k = 0: decode) of ``request.request_ids`` with their draft tokens;
         ragged rows (``num_draft_tokens``) are verified with their own k_i, feeding k_i + 1
         tokens each (``TargetWorker.verify``); padding past k_i is never read.
+
+        ``on_step``: for a multi-step call (``num_decode_steps`` > 1), called in this thread
+        after each decode step with the ``SeqOutput``s of its named rows' new tokens.
 
         Raises: KeyError (unknown id), ValueError / TensorDecodeError (shapes),
         DraftProbsMissingError / DataPlaneUnavailableError (dist plane), CapacityError.
@@ -146,7 +149,7 @@ class VerifierEngine:
         start = time.perf_counter()
         with _tracer.start_as_current_span("verifier.verify", attributes={"minedraft.batch_size": len(ids),
                                                                           "minedraft.k": int(draft_ids.shape[1])}):
-            outputs = self._apply_verify(command, probs)
+            outputs = self._apply_verify(command, probs, on_step)
         return engine_pb2.VerifyResponse(step_id=request.step_id, outputs=outputs,
                                          verify_ms=elapsed_ms(start), data_plane_ms=data_plane_ms)
 
@@ -200,12 +203,13 @@ class VerifierEngine:
         self.request_ids.update(seq.request_id for seq in request.seqs)
         return [to_seq_output(step) for step in steps]
 
-    def _apply_verify(self, command: engine_pb2.VerifyRequest, probs) -> list[engine_pb2.SeqOutput]:
+    def _apply_verify(self, command: engine_pb2.VerifyRequest, probs, on_step=None) -> list[engine_pb2.SeqOutput]:
         ids = list(command.request_ids)
         draft_ids = self._draft_token_ids(command, len(ids))
         ks = _row_ks(command, len(ids), draft_ids.shape[1])
         if command.num_decode_steps > 1:
-            return [to_seq_output(step) for step in self.worker.decode(ids, command.num_decode_steps)]
+            hook = None if on_step is None else (lambda steps: on_step([to_seq_output(step) for step in steps]))
+            return [to_seq_output(step) for step in self.worker.decode(ids, command.num_decode_steps, hook)]
         steps = self.worker.verify(ids, [row[:k_i] for row, k_i in zip(draft_ids.tolist(), ks)], probs)
         return [to_seq_output(step) for step in steps]
 

@@ -72,6 +72,15 @@ class VerifierServicer(engine_pb2_grpc.VerifierServicer):
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier model is still loading")
 
+    async def _plane_of(self, request, context) -> int:
+        """The data plane of a Verify call (FAILED_PRECONDITION: dist asked of an inline verifier)."""
+        plane = request.data_plane or self.data_plane
+        if (request.has_draft_probs and plane == engine_pb2.DATA_PLANE_DIST
+                and self.engine.probs_client is None):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "DATA_PLANE_DIST asked, but the verifier runs with --data-plane inline")
+        return plane
+
     async def AddRequests(self, request, context):
         """Prefill in the engine thread; while a multi-step decode call runs there (vLLM engine),
         inside that call, between two of its steps (``VerifierEngine.join_call``)."""
@@ -86,13 +95,32 @@ class VerifierServicer(engine_pb2_grpc.VerifierServicer):
 
     async def Verify(self, request, context):
         await self._check_ready(context)
-        plane = request.data_plane or self.data_plane
-        if (request.has_draft_probs and plane == engine_pb2.DATA_PLANE_DIST
-                and self.engine.probs_client is None):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "DATA_PLANE_DIST asked, but the verifier runs with --data-plane inline")
+        plane = await self._plane_of(request, context)
         try:
             return await self.executor.run(self.engine.verify, request, plane)
+        except Exception as exc:
+            await abort_with(context, exc)
+
+    async def VerifyStream(self, request, context):
+        """``Verify``, streaming a multi-step call's tokens as they decode: the steps the engine
+        thread finished since the last message go out as one partial message (rows merged), and
+        the call's whole ``VerifyResponse`` comes last. Errors as ``Verify``'s."""
+        await self._check_ready(context)
+        plane = await self._plane_of(request, context)
+        loop = asyncio.get_running_loop()
+        steps: asyncio.Queue = asyncio.Queue()
+
+        def on_step(outputs: list) -> None:  # engine thread
+            loop.call_soon_threadsafe(steps.put_nowait, outputs)
+
+        on_step_hook = on_step if request.num_decode_steps > 1 else None
+        call = asyncio.ensure_future(self.executor.run(self.engine.verify, request, plane, on_step_hook))
+        try:
+            while not call.done() or not steps.empty():
+                ready = await _next_steps(steps, call)
+                if ready:
+                    yield merge_partial(request.step_id, ready)
+            yield call.result()
         except Exception as exc:
             await abort_with(context, exc)
 
@@ -108,3 +136,36 @@ class VerifierServicer(engine_pb2_grpc.VerifierServicer):
         await self._check_ready(context)
         return engine_info(self.engine.worker.facts(), self.model_name, set(self.engine.request_ids),
                            self.tensor_parallel_size)
+
+
+async def _next_steps(steps: asyncio.Queue, call: asyncio.Future) -> list[list]:
+    """Every step output queued now; when none is, wait for the next one or the call's end
+    (then: what the call queued before it ended, possibly nothing)."""
+    if steps.empty():
+        getter = asyncio.ensure_future(steps.get())
+        await asyncio.wait({call, getter}, return_when=asyncio.FIRST_COMPLETED)
+        if not getter.done():
+            getter.cancel()
+            return _drain(steps)
+        return [getter.result()] + _drain(steps)
+    return _drain(steps)
+
+
+def _drain(steps: asyncio.Queue) -> list[list]:
+    ready = []
+    while not steps.empty():
+        ready.append(steps.get_nowait())
+    return ready
+
+
+def merge_partial(step_id: int, steps: list[list]) -> engine_pb2.VerifyResponse:
+    """One partial ``VerifyResponse`` of consecutive decode steps' ``SeqOutput`` lists: per
+    request, its tokens (and logprobs, top logprobs) of those steps in order."""
+    merged: dict[str, engine_pb2.SeqOutput] = {}
+    for outputs in steps:
+        for out in outputs:
+            row = merged.setdefault(out.request_id, engine_pb2.SeqOutput(request_id=out.request_id))
+            row.token_ids.extend(out.token_ids)
+            row.logprobs.extend(out.logprobs)
+            row.top_logprobs.extend(out.top_logprobs)
+    return engine_pb2.VerifyResponse(step_id=step_id, outputs=list(merged.values()), is_partial=True)

@@ -166,13 +166,15 @@ class VerifyRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., draft_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., has_draft_probs: _Optional[bool] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ..., draft_step_id: _Optional[int] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., num_decode_steps: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("step_id", "outputs", "verify_ms", "data_plane_ms")
+    __slots__ = ("step_id", "outputs", "verify_ms", "data_plane_ms", "is_partial")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_MS_FIELD_NUMBER: _ClassVar[int]
+    IS_PARTIAL_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     outputs: _containers.RepeatedCompositeFieldContainer[SeqOutput]
     verify_ms: float
     data_plane_ms: float
-    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[SeqOutput, _Mapping]]] = ..., verify_ms: _Optional[float] = ..., data_plane_ms: _Optional[float] = ...) -> None: ...
+    is_partial: bool
+    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[SeqOutput, _Mapping]]] = ..., verify_ms: _Optional[float] = ..., data_plane_ms: _Optional[float] = ..., is_partial: _Optional[bool] = ...) -> None: ...

@@ -245,6 +245,11 @@ class VerifierStub:
                 request_serializer=minedraft_dot_v1_dot_engine__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=minedraft_dot_v1_dot_engine__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyStream = channel.unary_stream(
+                '/minedraft.v1.Verifier/VerifyStream',
+                request_serializer=minedraft_dot_v1_dot_engine__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=minedraft_dot_v1_dot_engine__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.ReleaseRequests = channel.unary_unary(
                 '/minedraft.v1.Verifier/ReleaseRequests',
                 request_serializer=minedraft_dot_v1_dot_engine__pb2.ReleaseRequest.SerializeToString,
@@ -272,6 +277,14 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyStream(self, request, context):
+        """Verify, streaming a multi-step call's tokens as its steps decode them (partial messages),
+        then the whole call's response; a call of one step sends only that.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseRequests(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -294,6 +307,11 @@ def add_VerifierServicer_to_server(servicer, server):
             ),
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
+                    request_deserializer=minedraft_dot_v1_dot_engine__pb2.VerifyRequest.FromString,
+                    response_serializer=minedraft_dot_v1_dot_engine__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.VerifyStream,
                     request_deserializer=minedraft_dot_v1_dot_engine__pb2.VerifyRequest.FromString,
                     response_serializer=minedraft_dot_v1_dot_engine__pb2.VerifyResponse.SerializeToString,
             ),
@@ -360,6 +378,33 @@ class Verifier:
             request,
             target,
             '/minedraft.v1.Verifier/Verify',
+            minedraft_dot_v1_dot_engine__pb2.VerifyRequest.SerializeToString,
+            minedraft_dot_v1_dot_engine__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/minedraft.v1.Verifier/VerifyStream',
             minedraft_dot_v1_dot_engine__pb2.VerifyRequest.SerializeToString,
             minedraft_dot_v1_dot_engine__pb2.VerifyResponse.FromString,
             options,

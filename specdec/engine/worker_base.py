@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from opentelemetry import trace
@@ -54,11 +54,14 @@ def top_logprobs(logprobs: torch.Tensor, num_top: int) -> list[tuple[list[int], 
     return list(zip(indices.tolist(), values.tolist()))
 
 
-def decode_steps(worker, request_ids: list[str], num_steps: int) -> list[StepOutput]:
+def decode_steps(worker, request_ids: list[str], num_steps: int, on_step=None) -> list[StepOutput]:
     """``num_steps`` plain decode steps (``worker.verify`` with k = 0) of ``request_ids``, merged
     into one ``StepOutput`` per request (multi-step decoding: one engine call for several
     tokens). A step that hits the context window after the first stops the loop (it changes no
     state), so every row then has the same, smaller, number of tokens.
+
+    ``on_step``: called after each step with that step's ``StepOutput``s (one token per row),
+    in the calling thread, before the next step runs (streamed multi-step decoding).
 
     Raises:
         ValueError: ``num_steps`` < 1; otherwise as ``worker.verify`` (first step only).
@@ -66,11 +69,16 @@ def decode_steps(worker, request_ids: list[str], num_steps: int) -> list[StepOut
     if num_steps < 1:
         raise ValueError(f"num_steps: must be >= 1, got {num_steps}")
     merged = worker.verify(request_ids, [[] for _ in request_ids], None)
+    if on_step is not None:
+        on_step([replace(out, token_ids=list(out.token_ids), logprobs=list(out.logprobs),
+                         top_logprobs=list(out.top_logprobs)) for out in merged])
     for _ in range(num_steps - 1):
         try:
             step = worker.verify(request_ids, [[] for _ in request_ids], None)
         except CapacityError:
             break
+        if on_step is not None:
+            on_step(step)
         for out, new in zip(merged, step):
             out.token_ids += new.token_ids
             out.logprobs += new.logprobs

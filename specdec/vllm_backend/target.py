@@ -151,7 +151,8 @@ class VllmTargetWorker:
                 self.release(rid)
             raise
 
-    def verify(self, request_ids: list[str], draft_token_ids: list[list[int]], draft_probs=None, num_steps: int = 1):
+    def verify(self, request_ids: list[str], draft_token_ids: list[list[int]], draft_probs=None, num_steps: int = 1,
+               on_step=None):
         """One target step over ``request_ids``: row i verifies its k_i = ``len(draft_token_ids[i])``
         draft tokens (0: plain decode) in one forward of k_i + 1 positions.
 
@@ -160,6 +161,7 @@ class VllmTargetWorker:
             draft_token_ids: b rows of draft token ids, row i of length k_i <= ``num_speculative_tokens``.
             draft_probs: ignored (see the module docstring); accepted for the seam's signature.
             num_steps: plain decode steps in this call (> 1: every row without drafts; ``decode``).
+            on_step: ``decode``'s (called after each engine step with the named rows' new tokens).
 
         Returns:
             b ``StepOutput``s of ``num_accepted + 1`` tokens each, in order; then, after a
@@ -182,7 +184,7 @@ class VllmTargetWorker:
             raise CapacityError(f"requests {finished} reached max_model_len={self.cfg.max_model_len}")
         step = PsdStep(frozenset(s.vllm_id for s in states),
                        {s.vllm_id: list(row) for s, row in zip(states, draft_token_ids) if row}, num_steps)
-        outputs = self._run(step)
+        outputs = self._run(step, self._streamer(request_ids, on_step))
         missing = [rid for rid in request_ids if rid not in outputs]
         if missing:
             raise RuntimeError(f"vLLM did not run {missing} in this step")
@@ -193,13 +195,16 @@ class VllmTargetWorker:
         return [step_output(rid, outputs[rid], len(row), s.params.logprobs)
                 for rid, s, row in zip(request_ids, states, draft_token_ids)] + joined
 
-    def decode(self, request_ids: list[str], num_steps: int):
+    def decode(self, request_ids: list[str], num_steps: int, on_step=None):
         """``num_steps`` plain decode steps over ``request_ids`` in one call (multi-step decoding:
         under vLLM's async scheduling, step i + 1 is scheduled while step i runs).
 
         Args:
             request_ids: b resident requests.
             num_steps: decode steps (>= 1); a row that reaches ``max_model_len`` stops early.
+            on_step: None, or called in this thread after each engine step, before the next is
+                scheduled, with the ``StepOutput``s (``num_accepted`` 0) of the named rows that got
+                tokens in it: their new tokens only (streamed multi-step decoding).
 
         Returns:
             b ``StepOutput``s of up to ``num_steps`` tokens each (``num_accepted`` 0), in order,
@@ -211,15 +216,30 @@ class VllmTargetWorker:
         """
         if num_steps < 1:
             raise ValueError(f"num_steps: must be >= 1, got {num_steps}")
-        return self.verify(request_ids, [[] for _ in request_ids], None, num_steps=num_steps)
+        return self.verify(request_ids, [[] for _ in request_ids], None, num_steps=num_steps, on_step=on_step)
 
-    def _run(self, step: PsdStep) -> dict:
+    def _streamer(self, request_ids: list[str], on_step):
+        """``_run``'s per-engine-step hook for ``on_step``: {request id: one step's
+        ``CompletionOutput``} -> the named rows' ``StepOutput``s (None: no hook)."""
+        if on_step is None:
+            return None
+        named = [(rid, self._requests[rid].params.logprobs) for rid in request_ids]
+
+        def hook(outputs: dict) -> None:
+            steps = [step_output(rid, outputs[rid], 0, num_top) for rid, num_top in named
+                     if rid in outputs and outputs[rid].token_ids]
+            if steps:
+                on_step(steps)
+        return hook
+
+    def _run(self, step: PsdStep, on_engine_step=None) -> dict:
         """Engine steps restricted to ``step`` until every named request has run its
         ``step.num_steps`` sampling steps (or ended): {request id: ``StepDelta``, the merged
         deltas}. Under async scheduling the engine scheduled one more (empty: every quota is
         spent) batch meanwhile; it stays queued and the next call's first step pops it, since a
         queue of resident requests never drains (each step schedules again). A multi-step call
-        takes joins (``join_running_call``) until its rows are done."""
+        takes joins (``join_running_call``) until its rows are done. ``on_engine_step``: called
+        with each engine step's {request id: ``CompletionOutput`` delta} (``_streamer``)."""
         self.scheduler.set_step(step)
         by_vllm_id = {state.vllm_id: rid for rid, state in self._requests.items()}
         merged: dict[str, StepDelta] = {}
@@ -233,8 +253,11 @@ class VllmTargetWorker:
                     left = step.num_steps - max((merged[by_vllm_id[v]].num_steps for v in step.request_ids
                                                  if by_vllm_id.get(v) in merged), default=0)
                     joined += self._take_joins(left, quotas)
-                for rid, output in collect_step(self.engine.step()).items():
+                outputs = collect_step(self.engine.step())
+                for rid, output in outputs.items():
                     merged.setdefault(rid, StepDelta()).add(output)
+                if on_engine_step is not None:
+                    on_engine_step(outputs)
                 joined = self._resolve_joins(joined, merged)
                 is_done = all(_is_done(merged.get(by_vllm_id.get(v, v)), step.num_steps) for v in step.request_ids)
                 if is_done and not joined and all(_is_done(merged.get(rid), n) for rid, n in quotas.items()):

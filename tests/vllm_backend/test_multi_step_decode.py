@@ -132,3 +132,23 @@ def test_a_request_without_logprobs_decodes_the_same_tokens_and_gets_none(engine
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[NO_LOGPROBS]]
     assert all(len(o.logprobs) == len(o.token_ids) for o in runs[0])
     assert all(o.logprobs == [] and o.top_logprobs == [] for o in runs[NO_LOGPROBS])
+
+
+def test_on_step_streams_each_engine_step_and_adds_up_to_the_call(ar_target) -> None:
+    """``decode(..., on_step)`` (streamed multi-step decoding): one hook call per engine step
+    that gave the named rows tokens, each with only that step's new tokens; their concatenation
+    is the call's return value; a row that stops early (max_model_len) leaves later steps' lists."""
+    ar_target.add_requests([("long", _prompt(7, MAX_LEN - 4), GREEDY), ("short", _prompt(8, 10), GREEDY)])
+    try:
+        calls = []
+        steps = {s.request_id: s for s in ar_target.decode(["long", "short"], 6, on_step=calls.append)}
+        streamed = {"long": [], "short": []}
+        for outputs in calls:
+            assert all(len(o.token_ids) == len(o.logprobs) >= 1 for o in outputs)
+            for o in outputs:
+                streamed[o.request_id] += o.token_ids
+        assert streamed == {rid: list(s.token_ids) for rid, s in steps.items()}
+        assert len(streamed["long"]) == 3 and len(streamed["short"]) == 6
+        assert len(calls) >= 6 and all(o.request_id == "short" for o in calls[-1])
+    finally:
+        ar_target.release("long"), ar_target.release("short")
