@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
                    help="most prompt tokens admitted between two steps (0 = no limit; the queue's head always)")
     p.add_argument("--decode-steps", type=int, default=1,
                    help="ar steps: tokens per request decoded in one Verify call (multi-step decoding)")
+    p.add_argument("--stream-decode-steps", action=argparse.BooleanOptionalAction, default=True,
+                   help="stream a multi-step call's tokens as they decode (else at the call's end)")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -57,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
             drafter_retry_s=a.drafter_retry, rpc_timeout_s=a.rpc_timeout, engine_wait_s=a.engine_wait,
             grace_s=a.grace, metrics_port=a.metrics_port, step_log=a.step_log, k_policy=a.k_policy,
             balancer=a.balancer, max_num_batched_tokens=a.max_num_batched_tokens,
-            num_decode_steps=a.decode_steps,
+            num_decode_steps=a.decode_steps, stream_decode_steps=a.stream_decode_steps,
         )
     except ValueError as exc:
         p.error(str(exc))

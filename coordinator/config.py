@@ -67,8 +67,11 @@ class CoordinatorConfig:
             between admissions. :data:`NO_TOKEN_BUDGET` (0): no limit.
         num_decode_steps: tokens per request and Verify call when a step runs ``ar`` (multi-step
             decoding, as vLLM V0's ``--num-scheduler-steps``): the verifier decodes that many in
-            one call, saving a coordinator round trip per token; streams get that many tokens
-            per chunk, and newcomers wait up to that many tokens for admission. 1: one per call.
+            one call, saving a coordinator round trip per token. 1: one per call.
+        stream_decode_steps: a multi-step call's tokens reach the streams as its steps decode
+            them (``Verifier.VerifyStream``), so a request that finishes inside the call ends
+            then, not at the call's end; False: the whole call's tokens come at its end (unary
+            ``Verify``, one chunk per call).
     """
 
     mode: Mode = Mode.PSD
@@ -90,6 +93,7 @@ class CoordinatorConfig:
     balancer: str = "paper"
     max_num_batched_tokens: int = 0
     num_decode_steps: int = 1
+    stream_decode_steps: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _enum_field("mode", Mode, self.mode))

@@ -186,12 +186,15 @@ class EngineClients:
 
     async def verify(
         self, step_id: int, request_ids: list[str], drafts: list[PendingDrafts] | None, data_plane: int,
-        num_decode_steps: int = 1,
+        num_decode_steps: int = 1, on_partial=None,
     ) -> tuple[engine_pb2.VerifyResponse, float]:
         """Verify ``request_ids`` with ``drafts`` (one per request, all from one drafter step; rows
         may differ in k_i: ``VerifyRequest.num_draft_tokens``), or decode them (``drafts`` None:
         k = 0; ``num_decode_steps`` tokens each in this one call). Returns (response, wall ms).
-        Raises grpc.aio.AioRpcError.
+        ``on_partial``: for a multi-step call, stream it (``VerifyStream``) and call this with
+        each partial ``VerifyResponse`` (new tokens of the rows since the last) as it comes; the
+        returned response is still the whole call's. Raises grpc.aio.AioRpcError, and ValueError
+        when a stream ends without its whole response.
         """
         request = engine_pb2.VerifyRequest(step_id=step_id, request_ids=request_ids)
         if not drafts and num_decode_steps > 1:
@@ -206,8 +209,19 @@ class EngineClients:
             if probs is not None:
                 request.draft_probs.CopyFrom(probs)
         start = time.perf_counter()
-        response = await self.verifier.Verify(request, timeout=self.timeout)
+        if on_partial is not None and request.num_decode_steps > 1:
+            response = await self._verify_streamed(request, on_partial)
+        else:
+            response = await self.verifier.Verify(request, timeout=self.timeout)
         return response, (time.perf_counter() - start) * 1e3
+
+    async def _verify_streamed(self, request: engine_pb2.VerifyRequest, on_partial) -> engine_pb2.VerifyResponse:
+        """``VerifyStream``: partial messages to ``on_partial``; returns the last (whole) one."""
+        async for response in self.verifier.VerifyStream(request, timeout=self.timeout):
+            if not response.is_partial:
+                return response
+            on_partial(response)
+        raise ValueError("VerifyStream ended without the call's whole response")
 
 
 def _draft_rows(response: engine_pb2.DraftResponse, ks: list[int]) -> list[list[int]]:

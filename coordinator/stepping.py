@@ -35,6 +35,7 @@ from coordinator.fallback import add_committed
 from coordinator.finish import apply_finish
 from coordinator.request import RequestState, RequestStatus
 from coordinator.stats import StepStats, StepTimes
+from coordinator.streamed import StreamedTokens
 from coordinator.tracing import Phase, StepTrace, finish_step, start_step
 from opentelemetry import trace
 
@@ -74,8 +75,10 @@ class StepLoop:
         verify_batch = 1 - self.batches.skip_batch if mode == Mode.PSD else 0
         groups = await self._verify_groups(verify_reqs, mode, times, verify_batch)
         ahead_spec = self._speculative(ahead_reqs) if mode == Mode.PSD else []
-        verify_start_s, responses = await self._verify_while_drafting(groups, ahead_spec, times, verify_batch, mode)
-        committed = self._commit_verified(groups, responses, times, verify_start_s, verify_batch)
+        streamed = StreamedTokens()
+        verify_start_s, responses = await self._verify_while_drafting(groups, ahead_spec, times, verify_batch, mode,
+                                                                      streamed)
+        committed = self._commit_verified(groups, responses, times, verify_start_s, verify_batch, streamed)
         is_parallel = mode == Mode.PSD and bool(ahead_spec) and self.mode != Mode.AR
         self._flip(mode, bool(ahead_reqs))
         return self._record(mode, verify_reqs, committed, times, start, is_parallel, step_trace)
@@ -88,13 +91,16 @@ class StepLoop:
         return _group_by_draft_step(spec_reqs, [r for r in verify_reqs if r not in spec_reqs])
 
     async def _verify_while_drafting(self, groups, ahead_spec: list[RequestState], times: StepTimes,
-                                     verify_batch: int, mode: Mode) -> tuple[float, list]:
+                                     verify_batch: int, mode: Mode, streamed: StreamedTokens) -> tuple[float, list]:
         """Run the Verify calls of ``groups`` and, at the same time (``asyncio.gather``), the Draft
-        call of the other batch's ``ahead_spec`` for the next step (psd, drafter on). Returns (wall
-        clock at the start, one (VerifyResponse, rpc ms) per group). Raises a Verify call's error."""
+        call of the other batch's ``ahead_spec`` for the next step (psd, drafter on). A multi-step
+        call's tokens are committed as they stream in (``stream_decode_steps``; counted in
+        ``streamed``). Returns (wall clock at the start, one (VerifyResponse, rpc ms) per group).
+        Raises a Verify call's error."""
         verify_start_s = time.time()
         num_steps = [self._num_decode_steps(reqs) if mode == Mode.AR else 1 for reqs, _ in groups]
-        calls = [self.engines.verify(self.step_id, [r.request_id for r in reqs], d, self._data_plane, n)
+        on_partial = (lambda response: self._commit_partial(response, streamed)) if self.cfg.stream_decode_steps else None
+        calls = [self.engines.verify(self.step_id, [r.request_id for r in reqs], d, self._data_plane, n, on_partial)
                  for (reqs, d), n in zip(groups, num_steps)]
         if ahead_spec and self.mode != Mode.AR:
             calls.append(self._draft(ahead_spec, times, 1 - verify_batch, mode))
@@ -104,15 +110,26 @@ class StepLoop:
                 raise result
         return verify_start_s, results[: len(groups)]
 
+    def _commit_partial(self, response: engine_pb2.VerifyResponse, streamed: StreamedTokens) -> None:
+        """Commit (and stream) the new tokens of a partial message of a streamed multi-step call."""
+        for out in response.outputs:
+            streamed.add(out.request_id, len(out.token_ids))
+            request = self.running.get(out.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished earlier in the call, or aborted
+            before = len(request.output_token_ids)
+            self._commit(request, list(out.token_ids), list(out.logprobs), 0, 0, list(out.top_logprobs))
+            streamed.num_emitted += len(request.output_token_ids) - before
+
     def _commit_verified(self, groups, responses, times: StepTimes, verify_start_s: float,
-                         verify_batch: int) -> Committed:
+                         verify_batch: int, streamed: StreamedTokens) -> Committed:
         """Account each Verify call (times, cost model) and commit its requests' tokens
-        (``_postprocess``); returns what the step committed."""
-        committed = Committed()
+        (``_postprocess``; past those ``streamed`` committed); returns what the step committed."""
+        committed = Committed(num_emitted=streamed.num_emitted)
         named = {r.request_id for reqs, _ in groups for r in reqs}
         for (reqs, d), (response, verify_rpc_ms) in zip(groups, responses):
             self._account_verify(reqs, d, response, verify_rpc_ms, times, verify_start_s, verify_batch)
-            group_emitted, group_accepted, group_ks = self._postprocess(reqs, d, response)
+            group_emitted, group_accepted, group_ks = self._postprocess(reqs, d, response, streamed)
             committed.num_emitted += group_emitted
             committed.accepted += group_accepted if d else []
             committed.num_spec_tokens += group_ks if d else []
@@ -235,10 +252,10 @@ class StepLoop:
         self.metrics.num_lazy_drafter_adds.inc(len(missing) - len(refused))
         return [r for r in requests if r.num_drafter_tokens > 0]
 
-    def _postprocess(self, verify_reqs, drafts,
-                     response: engine_pb2.VerifyResponse) -> tuple[int, list[int], list[int]]:
-        """Commit each verified request's tokens; returns (tokens emitted, accepted count per
-        request, its own k_i per request) for the requests still running."""
+    def _postprocess(self, verify_reqs, drafts, response: engine_pb2.VerifyResponse,
+                     streamed: StreamedTokens) -> tuple[int, list[int], list[int]]:
+        """Commit each verified request's tokens (those ``streamed`` did not); returns (tokens
+        emitted, accepted count per request, its own k_i per request) for the requests still running."""
         outputs = {out.request_id: out for out in response.outputs}
         row_ks = [len(d.token_ids) for d in drafts] if drafts else [NO_DRAFT] * len(verify_reqs)
         self.spec_stats.observe_call([(r.request_id, k, outputs[r.request_id].num_accepted)  # before retirements
@@ -253,9 +270,11 @@ class StepLoop:
             if out is None:
                 self._retire(request, None, error=(grpc.StatusCode.INTERNAL, "verifier returned no output"))
                 continue
+            token_ids, logprobs, top = streamed.rest(out)
+            if not token_ids and streamed.counts.get(request.request_id):
+                continue  # a streamed call's tokens all came in its partial messages
             before, accepted_before = len(request.output_token_ids), request.num_accepted_tokens
-            self._commit(request, list(out.token_ids), list(out.logprobs), k, out.num_accepted,
-                         list(out.top_logprobs))
+            self._commit(request, token_ids, logprobs, k, out.num_accepted, top)
             num_emitted += len(request.output_token_ids) - before
             accepted.append(request.num_accepted_tokens - accepted_before)  # emitted ones only
             ks.append(k)

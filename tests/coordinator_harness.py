@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import struct
+import time
 
 import grpc
 
@@ -65,6 +66,7 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
         self.delay_s, self.drafter, self.num_prob_rows, self.max_slots_used = delay_s, None, 0, 0
         self.num_dist_fetches, self.is_failing = 0, False
         self.decode_steps_seen: list[int] = []   # VerifyRequest.num_decode_steps > 1 seen
+        self.call_ends_s: list[float] = []       # perf_counter at the end of each streamed call
         # as the vLLM verifier: requests added while a multi-step call runs decode in it too
         self.joins_decode, self._joined_ids = False, None
 
@@ -120,6 +122,30 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
             outputs.append(engine_pb2.SeqOutput(request_id=request_id, token_ids=out, num_accepted=accepted,
                                                 logprobs=[-0.25] * len(out)))
         return engine_pb2.VerifyResponse(step_id=request.step_id, outputs=outputs, verify_ms=self.delay_s * 1e3)
+
+    async def VerifyStream(self, request, context):
+        """``Verify``; a multi-step call streams each step's tokens (one partial message per
+        step, ``delay_s`` spread over the steps), then the whole call (``call_ends_s``: when)."""
+        if request.num_decode_steps <= 1:
+            yield await self.Verify(request, context)
+            return
+        if self.is_failing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier rank lost")
+        if self.joins_decode:
+            self._joined_ids = []
+        self.decode_steps_seen.append(request.num_decode_steps)
+        rows: dict[str, list[int]] = {rid: [] for rid in request.request_ids}
+        for _ in range(request.num_decode_steps):
+            await asyncio.sleep(self.delay_s / request.num_decode_steps)
+            for request_id, out in rows.items():
+                out.append(toy_next(self.committed[request_id] + out))
+            yield engine_pb2.VerifyResponse(step_id=request.step_id, is_partial=True, outputs=[
+                engine_pb2.SeqOutput(request_id=rid, token_ids=out[-1:], logprobs=[-0.25]) for rid, out in rows.items()])
+        joined, self._joined_ids = self._joined_ids or [], None
+        whole = self._decode(request, joined)
+        assert [list(out.token_ids) for out in whole.outputs[: len(rows)]] == list(rows.values())
+        self.call_ends_s.append(time.perf_counter())
+        yield whole
 
     def _decode(self, request, joined: list[str] = ()):
         """The named rows' ``num_decode_steps`` tokens, then (``joins_decode``) those of the

@@ -16,7 +16,7 @@ import torch
 from coordinator.config import CoordinatorConfig
 from coordinator.context_window import ContextLimits
 from coordinator_harness import Harness, _expected, _workload
-from minedraft.v1 import coordinator_pb2, engine_pb2
+from minedraft.v1 import common_pb2, coordinator_pb2, engine_pb2
 from specdec.config import CacheConfig, ModelConfig
 from specdec.errors import CapacityError
 from specdec.engine.runner import ModelRunner
@@ -98,13 +98,14 @@ def test_decode_room_follows_the_verifier_window() -> None:
     assert ContextLimits().decode_room(96) > 1000
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "block"])
 @pytest.mark.parametrize("mode", ["ar", "auto"])
-def test_coordinator_multi_step_output_equals_reference(mode: str) -> None:
+def test_coordinator_multi_step_output_equals_reference(mode: str, stream: bool) -> None:
     work = _workload(12)   # max_tokens 6..28, stop ids, ignore_eos: finishes inside a decoded block
 
     async def run(num_decode_steps: int):
         async with Harness(mode=mode, max_num_seqs=3, num_speculative_tokens=3,
-                           num_decode_steps=num_decode_steps) as h:
+                           num_decode_steps=num_decode_steps, stream_decode_steps=stream) as h:
             results = await asyncio.gather(*(h.generate(rid, p, **s) for rid, p, s in work))
             status = await h.stub.GetStatus(coordinator_pb2.StatusRequest())
             metric = h.scheduler.metrics.registry.get_sample_value
@@ -131,7 +132,8 @@ def test_a_request_arriving_during_a_multi_step_call_is_admitted_at_once(joins_d
     running Verify call decodes (the coordinator does not wait for the call to end), so its first
     token (TTFT) comes before the running request's next block; both outputs stay the reference.
     vLLM-like: the newcomer also decodes in that call (its tokens come back after the named
-    rows') and they are streamed after its first token."""
+    rows') and they are streamed after its first token. (Unstreamed calls, whose tokens come at
+    their end; streamed ones: the next test.)"""
     from minedraft.v1 import common_pb2
 
     events: list[tuple[str, int]] = []
@@ -149,7 +151,8 @@ def test_a_request_arriving_during_a_multi_step_call_is_admitted_at_once(joins_d
         return tokens
 
     async def run():
-        async with Harness(mode="ar", max_num_seqs=4, num_decode_steps=8, delay_s=0.4) as h:
+        async with Harness(mode="ar", max_num_seqs=4, num_decode_steps=8, delay_s=0.4,
+                           stream_decode_steps=False) as h:
             h.verifier.joins_decode = joins_decode
             first = asyncio.Event()
             a = asyncio.ensure_future(stream(h, "a", [5, 9, 17], 17, first))
@@ -164,3 +167,105 @@ def test_a_request_arriving_during_a_multi_step_call_is_admitted_at_once(joins_d
     assert [e for e in events[:first_of_b] if e[0] == "a"] == [("a", 1)], events  # before a's 2nd block
     b_events = [n for rid, n in events if rid == "b"]
     assert b_events[:2] == ([1, 8] if joins_decode else [1, 9]), events  # vLLM-like: 7 more within a's call
+
+
+def test_a_request_finishing_inside_a_streamed_call_ends_before_the_call() -> None:
+    """Streamed multi-step calls (``stream_decode_steps``, the default): each step's token
+    reaches the stream as the verifier decodes it, so a request whose ``max_tokens`` falls inside
+    a call finishes before that call ends, and a closed-loop client's next request is admitted
+    inside the same call; every output stays the reference. (A request that joined a call gets
+    its tokens after the first at the call's end: only named rows stream.)"""
+    import time
+
+    from minedraft.v1 import common_pb2
+
+    first: dict[str, float] = {}
+    ends: dict[str, float] = {}
+    chunks: dict[str, list[int]] = {}
+    long_started = asyncio.Event()
+
+    async def stream(h, rid: str, prompt: list[int], max_tokens: int):
+        call = h.stub.Generate(coordinator_pb2.CoordinatorGenerateRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens)))
+        tokens: list[int] = []
+        async for response in call:
+            if response.WhichOneof("response") == "chunk":
+                tokens += response.chunk.token_ids
+                chunks.setdefault(rid, []).append(len(response.chunk.token_ids))
+                first.setdefault(rid, time.perf_counter())
+                long_started.set()
+        ends[rid] = time.perf_counter()
+        return tokens
+
+    async def closed_loop(h):
+        await long_started.wait()   # long's first 8-step call runs: short joins it
+        short = await stream(h, "short", [7, 1, 30], 12)
+        return short, await stream(h, "next", [4, 4, 9], 4)
+
+    async def run():
+        async with Harness(mode="ar", max_num_seqs=4, num_decode_steps=8, delay_s=0.8) as h:
+            h.verifier.joins_decode = True
+            long, (short, after) = await asyncio.gather(stream(h, "long", [5, 9, 17], 17), closed_loop(h))
+            return long, short, after, list(h.verifier.call_ends_s)
+
+    long, short, after, call_ends = asyncio.run(run())
+    assert long == _expected([5, 9, 17], {"max_tokens": 17})
+    assert short == _expected([7, 1, 30], {"max_tokens": 12}) and after == _expected([4, 4, 9], {"max_tokens": 4})
+    assert chunks["long"] == [1] + [1] * 16, chunks       # named in both calls: a chunk per step
+    assert chunks["short"] == [1, 7, 1, 1, 1, 1], chunks  # joined call 1 (its 7 at its end), named in call 2
+    assert len(call_ends) == 2 and ends["short"] < call_ends[1], (ends, call_ends)  # after 4 of call 2's 8 steps
+    assert first["next"] < call_ends[1], (first, call_ends)  # admitted inside call 2
+
+
+def _stream_and_unary(tiny_llama, num_steps: int):
+    """Through a served ``VerifierServicer`` over the native float64 engine: the messages of one
+    ``VerifyStream`` call of ``num_steps`` steps, and a twin engine's unary ``Verify`` of it."""
+    from coordinator_harness import _serve
+    from minedraft.serving import aio_channel
+    from minedraft.v1 import engine_pb2_grpc
+    from verifier_svc.servicer import VerifierServicer
+
+    sampling = common_pb2.SamplingParams(temperature=1.0, seed=3, logprobs=1)
+    add = engine_pb2.AddRequestsRequest(seqs=[engine_pb2.SeqInit(request_id=rid, prompt_token_ids=p, sampling=sampling)
+                                              for rid, p in PROMPTS.items()])
+    verify = engine_pb2.VerifyRequest(step_id=7, request_ids=list(PROMPTS), num_decode_steps=num_steps,
+                                      data_plane=engine_pb2.DATA_PLANE_INLINE)
+    twin = VerifierEngine(_worker(tiny_llama), seed=0)
+    twin.add(add)
+    unary = twin.verify(verify, engine_pb2.DATA_PLANE_INLINE)
+
+    async def main():
+        servicer = VerifierServicer("tiny", engine_pb2.DATA_PLANE_INLINE)
+        servicer.attach(VerifierEngine(_worker(tiny_llama), seed=0))
+        server, address = await _serve(engine_pb2_grpc.add_VerifierServicer_to_server, servicer,
+                                       "minedraft.v1.Verifier")
+        try:
+            async with aio_channel(address) as channel:
+                stub = engine_pb2_grpc.VerifierStub(channel)
+                await stub.AddRequests(add)
+                return [m async for m in stub.VerifyStream(verify)]
+        finally:
+            await server.stop(None)
+
+    return asyncio.run(main()), unary
+
+
+def test_verify_stream_partials_add_up_to_the_whole_response(tiny_llama) -> None:
+    messages, unary = _stream_and_unary(tiny_llama, num_steps=6)
+    *partials, whole = messages
+    assert not whole.is_partial and all(m.is_partial for m in partials)
+    assert partials and all(m.step_id == 7 for m in messages)
+    streamed = {rid: ([], []) for rid in PROMPTS}
+    for message in partials:
+        for out in message.outputs:
+            streamed[out.request_id][0].extend(out.token_ids)
+            streamed[out.request_id][1].extend(out.logprobs)
+    assert {o.request_id: (list(o.token_ids), list(o.logprobs)) for o in whole.outputs} == streamed
+    assert {o.request_id: list(o.token_ids) for o in unary.outputs} == {r: t for r, (t, _) in streamed.items()}
+    assert all(len(t) == 6 for t, _ in streamed.values())
+
+
+def test_a_single_step_verify_stream_sends_only_the_whole_response(tiny_llama) -> None:
+    messages, unary = _stream_and_unary(tiny_llama, num_steps=1)
+    assert len(messages) == 1 and not messages[0].is_partial
+    assert messages[0].outputs == unary.outputs
