@@ -89,7 +89,10 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=5.0, help="coordinator and gateway: drain seconds on SIGTERM")
     p.add_argument("--decode-steps", type=int, default=1,
                    help="ar steps decode this many tokens per request in one Verify call (multi-step "
-                        "decoding: fewer round trips, streams get that many tokens per chunk)")
+                        "decoding: fewer round trips)")
+    p.add_argument("--stream-decode-steps", action=argparse.BooleanOptionalAction, default=True,
+                   help="stream a multi-step call's tokens as each step decodes them (default); "
+                        "--no-stream-decode-steps: at the call's end, one chunk per call")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="coordinator admits at most this many prompt tokens between two steps, so running "
                         "requests keep decoding and first tokens stream sooner (0: no limit; a longer prompt "
@@ -126,7 +129,8 @@ def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
                        max_num_batched_tokens=args.max_num_batched_tokens, engine=args.engine,
                        engine_python=args.engine_python, gpu_memory_utilization=args.gpu_memory_utilization,
                        enforce_eager=args.enforce_eager, api_key=args.api_key, max_queue_len=args.max_queue_len,
-                       grace_s=args.grace, num_decode_steps=args.decode_steps)
+                       grace_s=args.grace, num_decode_steps=args.decode_steps,
+                       stream_decode_steps=args.stream_decode_steps)
 
 
 def add_prompts_args(p: argparse.ArgumentParser) -> None:

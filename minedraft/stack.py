@@ -90,7 +90,8 @@ class StackConfig:
         max_queue_len: the coordinator's waiting-request limit; grace_s: drain seconds on SIGTERM
             of the coordinator and the gateway.
         num_decode_steps: the coordinator's ``--decode-steps`` (tokens per request and Verify
-            call in ``ar`` steps: multi-step decoding; 1 = one).
+            call in ``ar`` steps: multi-step decoding; 1 = one); stream_decode_steps: its
+            ``--[no-]stream-decode-steps`` (tokens reach the streams as each step decodes them).
     """
 
     mode: str = "psd"
@@ -134,6 +135,7 @@ class StackConfig:
     max_queue_len: int = 1024
     grace_s: float = 5.0
     num_decode_steps: int = 1
+    stream_decode_steps: bool = True
 
     def __post_init__(self) -> None:
         checks = {
@@ -314,7 +316,8 @@ def coordinator_spec(cfg: StackConfig) -> ServiceSpec:
             "--host", cfg.host, "--port", str(cfg.coordinator_port), "--metrics-port", str(cfg.metrics_port),
             "--k-policy", cfg.k_policy, "--balancer", cfg.balancer,
             "--max-num-batched-tokens", str(_batched_tokens(cfg)), "--max-queue-len", str(cfg.max_queue_len),
-            "--grace", repr(cfg.grace_s), "--decode-steps", str(cfg.num_decode_steps)]
+            "--grace", repr(cfg.grace_s), "--decode-steps", str(cfg.num_decode_steps),
+            "--stream-decode-steps" if cfg.stream_decode_steps else "--no-stream-decode-steps"]
     if cfg.step_log:
         argv += ["--step-log", os.path.abspath(cfg.step_log)]
     return ServiceSpec("coordinator", argv, f"{cfg.host}:{cfg.coordinator_port}", env=cfg.placement.torch_free_env())

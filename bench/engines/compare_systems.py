@@ -1,7 +1,8 @@
 """The systems of ``bench.engines.engines_compare``: our stack on either engine backend, vLLM's own server.
 
-Names: ``<mode>-<engine>[-ds<N>]`` for ours (mode ``ar``/``sd``/``psd``/``auto``, engine ``vllm``
-or ``native``; ``-ds<N>``: ``--decode-steps N`` for this system, else the run's), ``vllm-ar`` and
+Names: ``<mode>-<engine>[-ds<N>][-block]`` for ours (mode ``ar``/``sd``/``psd``/``auto``, engine
+``vllm`` or ``native``; ``-ds<N>``: ``--decode-steps N`` for this system, else the run's;
+``-block``: ``--no-stream-decode-steps``, a multi-step call's tokens at its end), ``vllm-ar`` and
 ``vllm-sd-k<K>`` for vLLM. Start/stop and metrics are those of
 ``bench.common.systems.OursSystem`` / ``VllmSystem`` (subclassed: only the command lines differ).
 """
@@ -28,6 +29,7 @@ class SystemName:
     engine: str = ""       # ours: vllm/native
     k: int | None = None   # vLLM sd: num_speculative_tokens
     decode_steps: int | None = None  # ours: --decode-steps of this system (None: the run's)
+    stream_decode_steps: bool = True  # ours: False for -block (--no-stream-decode-steps)
 
 
 def parse_system(name: str) -> SystemName:
@@ -37,14 +39,14 @@ def parse_system(name: str) -> SystemName:
     match = _VLLM_SD.match(name)
     if match and int(match.group(1)) >= 1:
         return SystemName("vllm", "sd", k=int(match.group(1)))
-    base, decode_steps = name, None
-    if (steps := _DECODE_STEPS.match(name)) and 1 <= int(steps.group(2)) <= 64:
+    base, decode_steps = name.removesuffix("-block"), None
+    if (steps := _DECODE_STEPS.match(base)) and 1 <= int(steps.group(2)) <= 64:
         base, decode_steps = steps.group(1), int(steps.group(2))
     mode, _, engine = base.partition("-")
     if mode in OUR_MODES and engine in ENGINES:
-        return SystemName("ours", mode, engine, decode_steps=decode_steps)
+        return SystemName("ours", mode, engine, decode_steps=decode_steps, stream_decode_steps=not name.endswith("-block"))
     raise ValueError(f"systems: unknown system {name!r} (forms: vllm-ar, vllm-sd-k<K>, "
-                     f"<{'|'.join(OUR_MODES)}>-<{'|'.join(ENGINES)}>[-ds<N>], N in [1, 64])")
+                     f"<{'|'.join(OUR_MODES)}>-<{'|'.join(ENGINES)}>[-ds<N>][-block], N in [1, 64])")
 
 
 def synthetic_rates(p: float, k: int) -> list[float]:
@@ -77,7 +79,8 @@ class OursServer(OursSystem):
             gateway_port=gateway, coordinator_port=coordinator, drafter_port=drafter, verifier_port=verifier,
             dist_port=dist, http_port=http, step_log=self._step_log, runs_dir=logs_dir,
             startup_timeout_s=cfg.startup_timeout_s,
-            num_decode_steps=cfg.decode_steps if system.decode_steps is None else system.decode_steps)
+            num_decode_steps=cfg.decode_steps if system.decode_steps is None else system.decode_steps,
+            stream_decode_steps=system.stream_decode_steps)
         self._stack = Stack(stack, run_dir=logs_dir)
         self._model_dir = resolve_model_dir(cfg.target)
         self.endpoint = Endpoint(f"http://127.0.0.1:{http}/v1", os.path.basename(os.path.normpath(cfg.target)),
