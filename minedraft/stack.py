@@ -7,6 +7,7 @@ torch.distributed data plane 29600.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -221,9 +222,26 @@ class ServiceSpec:
     is_cuda_mps: bool = False
 
 
+def draft_fits_target(draft_dir: str, target_dir: str) -> bool:
+    """Whether the draft's recorded target embedding shape ``[vocab, hidden]``
+    (``minedraft_draft.json`` ``target_fingerprint.shape``) is the target's (its ``config.json``
+    ``vocab_size``, ``hidden_size``); True when either file does not say (the drafter's load
+    still checks the full fingerprint, ``specdec.models.draft_target.check_fingerprint``)."""
+    try:
+        with open(os.path.join(draft_dir, "minedraft_draft.json")) as f:
+            shape = json.load(f)["target_fingerprint"]["shape"]
+        with open(os.path.join(target_dir, "config.json")) as f:
+            config = json.load(f)
+        config = config.get("text_config", config)
+        return list(shape) == [config["vocab_size"], config["hidden_size"]]
+    except (OSError, KeyError, TypeError, ValueError):
+        return True
+
+
 def resolve_draft_dir(cfg: StackConfig, target_dir: str, cache_root: str | None = None) -> str:
     """The draft dir: ``cfg.draft``; else ``drafts/smollm2-135m-instruct`` (distilled) when it
-    exists; else an untrained draft of the target's first layers, written once to the cache
+    exists and its recorded target's embedding shape is the target's (``draft_fits_target``:
+    a ``random:<preset>`` or other target gets no draft it cannot load); else an untrained draft of the target's first layers, written once to the cache
     (``$MINEDRAFT_CACHE/drafts``) by ``specdec.models.draft_format.make_truncated_draft`` in a child
     process (this module stays torch-free).
 
@@ -232,7 +250,7 @@ def resolve_draft_dir(cfg: StackConfig, target_dir: str, cache_root: str | None 
     """
     if cfg.draft:
         return cfg.draft
-    if os.path.isdir(DEFAULT_DRAFT_DIR):
+    if os.path.isdir(DEFAULT_DRAFT_DIR) and draft_fits_target(DEFAULT_DRAFT_DIR, target_dir):
         return DEFAULT_DRAFT_DIR
     root = cache_root or os.environ.get("MINEDRAFT_CACHE", os.path.expanduser("~/.cache/minedraft"))
     key = hashlib.sha1(os.path.abspath(target_dir).encode()).hexdigest()[:10]

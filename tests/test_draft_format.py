@@ -208,3 +208,29 @@ def test_weights_over_the_shard_limit_are_written_and_read_as_shards(tmp_path, d
 def test_a_draft_dir_without_weights_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="draft_dir"):
         fmt.read_draft_weights(str(tmp_path))
+
+
+def test_the_default_draft_goes_only_to_a_target_of_its_embedding_shape(tmp_path) -> None:
+    """``minedraft up`` without ``--draft``: the distilled SmolLM2 draft for a target of its
+    [vocab, hidden]; a ``random:llama-8b``-shaped target gets the truncated fallback instead of a
+    drafter that dies on the fingerprint check at start."""
+    import json
+    import os
+
+    from minedraft.stack import DEFAULT_DRAFT_DIR, StackConfig, draft_fits_target, resolve_draft_dir
+
+    meta = tmp_path / "draft"
+    meta.mkdir()
+    (meta / "minedraft_draft.json").write_text(json.dumps({"target_fingerprint": {"shape": [49152, 576]}}))
+    for name, config, fits in (("smol", {"vocab_size": 49152, "hidden_size": 576}, True),
+                               ("llama", {"vocab_size": 128256, "hidden_size": 4096}, False),
+                               ("nested", {"text_config": {"vocab_size": 49152, "hidden_size": 4096}}, False),
+                               ("gguf-only", None, True)):
+        target = tmp_path / name
+        target.mkdir()
+        if config is not None:
+            (target / "config.json").write_text(json.dumps(config))
+        assert draft_fits_target(str(meta), str(target)) is fits, name
+    if os.path.isdir(DEFAULT_DRAFT_DIR):
+        assert resolve_draft_dir(StackConfig(), str(tmp_path / "smol")) == DEFAULT_DRAFT_DIR
+    assert resolve_draft_dir(StackConfig(draft="mine"), str(tmp_path / "llama")) == "mine"
