@@ -111,7 +111,10 @@ class VerifierServicer(engine_pb2_grpc.VerifierServicer):
         steps: asyncio.Queue = asyncio.Queue()
 
         def on_step(outputs: list) -> None:  # engine thread
-            loop.call_soon_threadsafe(steps.put_nowait, outputs)
+            try:
+                loop.call_soon_threadsafe(steps.put_nowait, outputs)
+            except RuntimeError:  # the loop closed (shutdown): the call itself goes on
+                pass
 
         on_step_hook = on_step if request.num_decode_steps > 1 else None
         call = asyncio.ensure_future(self.executor.run(self.engine.verify, request, plane, on_step_hook))
