@@ -27,7 +27,8 @@ def stack(tokenizer_dir):
     port = _free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "gateway", "--tokenizer", tokenizer_dir, "--coordinator", f"127.0.0.1:{fake.port}",
-         "--port", str(port), "--model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN), "--grace", "1"],
+         "--port", str(port), "--model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN), "--grace", "1",
+         "--http-port", "0"],   # gRPC only: the default HTTP port 8000 may be taken by another process
         stderr=subprocess.PIPE)
     try:
         _wait_until_up(port, process)
