@@ -4,7 +4,8 @@ One async loop owns every engine RPC, so engine state changes only at step bound
 ``sync`` (release finished/aborted KV, probe a lost drafter) -> ``admit`` (FIFO queue, prefill on
 both engines; the verifier's first token is streamed at once = TTFT) -> ``step``.
 
-A step (schedule, run, postprocess; ``ar``, ``sd``, ``psd``, adaptive k) is ``coordinator.stepping``.
+A step (schedule, run, postprocess; ``ar``, ``sd``, ``psd``, adaptive k) is ``coordinator.stepping``
+(its commit side ``coordinator.postprocess``); admission is ``coordinator.admitting``.
 If the drafter fails, every request continues in ``ar`` on the verifier and the drafter is probed
 every ``drafter_retry_s``; on recovery the requests are re-added to it and speculation resumes
 (``coordinator.fallback``).
@@ -22,7 +23,7 @@ import grpc
 from minedraft.v1 import engine_pb2
 
 from coordinator.adaptive import KChooser, SpeculationStats
-from coordinator.admission import EngineSlots, num_within_token_budget
+from coordinator.admission import EngineSlots
 from coordinator.auto_mode import AutoDecision, AutoMode
 from coordinator.balancer import Balancer, BalancerConfig
 from coordinator.batch_manager import BatchManager
@@ -33,8 +34,9 @@ from coordinator.engines import EngineClients
 from coordinator.fallback import DrafterLink
 from coordinator.finish import FinishReason
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.request import RequestState, RequestStatus
+from coordinator.request import RequestState
 from coordinator.stats import StepTotals
+from coordinator.admitting import Admitting
 from coordinator.stepping import StepLoop
 from coordinator.tracing import StepLog
 
@@ -50,7 +52,7 @@ class QueueFullError(Exception):
     """The waiting queue holds ``max_queue_len`` requests."""
 
 
-class Scheduler(StepLoop):
+class Scheduler(Admitting, StepLoop):
     """Request lifecycle and step loop over a drafter and a verifier (see module docstring).
 
     Args:
@@ -176,50 +178,6 @@ class Scheduler(StepLoop):
         elif not self.waiting and not self._to_release:
             await self._wait_for_work()
 
-    @property
-    def _admits_during_step(self) -> bool:
-        """``ar`` with multi-step decoding: a step is long (``num_decode_steps`` tokens per
-        request), so newcomers are admitted while it runs rather than after it."""
-        return self.cfg.mode == Mode.AR and self.cfg.num_decode_steps > 1
-
-    async def _step_admitting(self) -> None:
-        """One step, with the requests that arrive meanwhile admitted at once: their prefill
-        goes to the verifier beside the running Verify call (the vLLM engine prefills them
-        between two of the call's decode steps and answers with the first token: TTFT; the
-        native engine after the call), and they decode from the next step on. The step's
-        error, if any, is raised once the admissions under way have finished."""
-        step = asyncio.ensure_future(self.step())
-        try:
-            while not step.done():
-                arrival = asyncio.ensure_future(self._wakeup.wait())
-                await asyncio.wait({step, arrival}, return_when=asyncio.FIRST_COMPLETED)
-                arrival.cancel()
-                self._wakeup.clear()  # arrivals during the admission below wake the next wait
-                if not step.done() and self.waiting:
-                    await self._admit()
-        finally:
-            if not step.done():
-                await asyncio.wait({step})
-        try:
-            step.result()
-        finally:
-            self._commit_joined()
-
-    def _commit_joined(self) -> None:
-        """Commit the tokens that requests admitted during the step decoded inside its Verify
-        call (after their first token, which their admission committed); the engine holds them,
-        so a request whose first token is missing fails rather than skip them."""
-        outputs, self.joined_outputs = self.joined_outputs, []
-        for out in outputs:
-            request = self.running.get(out.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # finished at its first token, or aborted meanwhile
-            if not request.output_token_ids:
-                self._retire(request, None, error=(grpc.StatusCode.INTERNAL, "verifier decoded a joined request "
-                                                                             "before its first token"))
-                continue
-            self._commit(request, list(out.token_ids), list(out.logprobs), 0, 0, list(out.top_logprobs))
-
     async def _wait_for_work(self) -> None:
         """Sleep until a request arrives, or until the drafter's next probe (while it is away) or idle
         check (while it is up) is due, so ``drafter_available`` follows it without a request."""
@@ -227,7 +185,7 @@ class Scheduler(StepLoop):
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wakeup.wait(), self.drafter_link.probe_wait_s)
 
-    # ------------------------------------------------------------------ sync and admission
+    # ------------------------------------------------------------------ sync
     async def _sync(self) -> None:
         """Release the KV of finished/aborted requests; while idle, check that the drafter still
         answers (``DrafterLink.check_idle``); probe a lost drafter when due."""
@@ -250,74 +208,6 @@ class Scheduler(StepLoop):
                 if stub is self.engines.drafter:
                     self._lose_drafter(result)
                     self.drafter_link.note_released(ids)  # released there once it is back
-
-    async def _admit(self) -> None:
-        # slots of finished/aborted requests count until their release RPC has run
-        num_free = self.max_num_running - len(self.running) - len(self._to_release)
-        if self.cfg.uses_batches and self.batches.is_started:  # newcomers join the drafted batch: keep it <= m
-            target = self.balancer.effective_skip(self.batches) if self.balancer.is_feedback else self.batches.skip_batch
-            num_free = min(num_free, self.cfg.max_num_seqs - len(self.batches.batch(target)))
-        new = [self.waiting.popitem(last=False)[1] for _ in range(self._num_to_admit(num_free))]
-        if not new:
-            return
-        for request in new:
-            request.status = RequestStatus.RUNNING
-            self.running[request.request_id] = request
-            if request.trace is not None:
-                request.trace.on_admit()
-        seqs = [engine_pb2.SeqInit(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, sampling=r.sampling)
-                for r in new]
-        drafted = [r for r in new if self.limits.fits_drafter(len(r.prompt_token_ids))]
-        # auto running ar adds newcomers to the drafter on their first draft (StepLoop._add_to_drafter)
-        is_lazy = self.cfg.mode == Mode.AUTO and self.effective_mode == Mode.AR
-        is_drafting = self.mode != Mode.AR and bool(drafted) and not is_lazy
-        calls = [self.engines.prefill_verifier(seqs)]
-        if is_drafting:  # a prompt longer than the draft's window runs without speculation
-            draft_seqs = [seq for seq, r in zip(seqs, new) if r in drafted]
-            calls.append(self.engines.add_to_drafter(draft_seqs))
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        if is_drafting and isinstance(results[1], Exception):
-            self._lose_drafter(results[1])
-        elif is_drafting:  # a request the drafter refused runs undrafted (coordinator.fallback)
-            self.drafter_link.refuse(results[1])
-            for request in drafted:
-                if request.request_id not in results[1]:
-                    request.num_drafter_tokens = len(request.prompt_token_ids)
-        self._start_requests(new, results[0])
-
-    def _start_requests(self, new: list[RequestState], outputs: dict[str, object]) -> None:
-        """Stream each first token (TTFT) and place the survivors in the Batch Manager."""
-        alive = []
-        for request in new:
-            out = outputs.get(request.request_id)
-            if request.status != RequestStatus.RUNNING:
-                continue  # aborted while prefilling; its release is queued
-            if isinstance(out, grpc.aio.AioRpcError):
-                self._retire(request, None, error=(out.code(), f"verifier prefill failed: {out.details()}"))
-            elif out is None or len(out.token_ids) != 1:
-                self._retire(request, None, error=(grpc.StatusCode.INTERNAL, "verifier returned "
-                                                   f"{0 if out is None else len(out.token_ids)} first tokens, not 1"))
-            elif self._commit(request, list(out.token_ids), list(out.logprobs), 0, 0, list(out.top_logprobs)):
-                alive.append(request.request_id)
-        if self.cfg.uses_batches:
-            self.balancer.assign(self.batches, alive, self._cost_of, self.cfg.max_num_seqs)
-
-    def _num_to_admit(self, num_free: int) -> int:
-        """Requests to admit from the queue's head now (the balancer may hold some one step)."""
-        num = max(min(num_free, len(self.waiting)), 0)
-        head = [request for request, _ in zip(self.waiting.values(), range(num))]
-        # an id aborted and reused before its KV release ran waits for the next sync (FIFO: and those behind it)
-        head = head[:next((i for i, r in enumerate(head) if r.request_id in self._to_release), len(head))]
-        num = num_within_token_budget([len(r.prompt_token_ids) for r in head], self.cfg.max_num_batched_tokens)
-        head = head[:num]
-        if not self.cfg.uses_batches or num == 0 or self.effective_mode != Mode.PSD:
-            return num
-        positions = self.chooser.max_k + 1
-        costs = [self.balancer.request_cost(positions, len(r.prompt_token_ids)) for r in head]
-        admitted = self.balancer.num_to_admit(self.batches, costs, self.cfg.max_num_seqs, self._cost_of,
-                                              self._is_head_held)
-        self._is_head_held = admitted < num
-        return admitted
 
     def _cost_of(self, request_id: str) -> float:
         """Expected verify cost of a running request (``coordinator.balancer``)."""
