@@ -32,6 +32,7 @@ class DataPlaneKind(enum.StrEnum):
     DIST = "dist"  # torch.distributed drafter -> verifier; the coordinator passes step ids only
 
 MAX_DECODE_STEPS = 64  # the verifier's limit of VerifyRequest.num_decode_steps
+DEFAULT_STREAM_INTERVAL = 8  # decode steps per partial VerifyStream message (bench/results/engines_h200_s19)
 NO_TOKEN_BUDGET = 0  # max_num_batched_tokens: no limit on prompt tokens admitted per step
 
 
@@ -72,6 +73,10 @@ class CoordinatorConfig:
             them (``Verifier.VerifyStream``), so a request that finishes inside the call ends
             then, not at the call's end; False: the whole call's tokens come at its end (unary
             ``Verify``, one chunk per call).
+        stream_interval: with ``stream_decode_steps``, the verifier sends a partial message every
+            this many decode steps (``VerifyRequest.stream_interval``; vLLM's ``--stream-interval``):
+            fewer, larger chunks through the coordinator and the gateway at high concurrency, at
+            most this many steps of delay for a request that finishes inside the call. 1: every step.
     """
 
     mode: Mode = Mode.PSD
@@ -94,6 +99,7 @@ class CoordinatorConfig:
     max_num_batched_tokens: int = 0
     num_decode_steps: int = 1
     stream_decode_steps: bool = True
+    stream_interval: int = DEFAULT_STREAM_INTERVAL
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _enum_field("mode", Mode, self.mode))
@@ -114,6 +120,7 @@ class CoordinatorConfig:
                  f"must be >= {NO_TOKEN_BUDGET} ({NO_TOKEN_BUDGET} = no limit)")
         _require(1 <= self.num_decode_steps <= MAX_DECODE_STEPS, "num_decode_steps",
                  f"must be in [1, {MAX_DECODE_STEPS}]")
+        _require(1 <= self.stream_interval <= MAX_DECODE_STEPS, "stream_interval", f"must be in [1, {MAX_DECODE_STEPS}]")
         _require(0 <= self.metrics_port <= MAX_PORT, "metrics_port", f"must be in [0, {MAX_PORT}] (0 = off)")
 
     @property

@@ -186,14 +186,15 @@ class EngineClients:
 
     async def verify(
         self, step_id: int, request_ids: list[str], drafts: list[PendingDrafts] | None, data_plane: int,
-        num_decode_steps: int = 1, on_partial=None,
+        num_decode_steps: int = 1, on_partial=None, stream_interval: int = 1,
     ) -> tuple[engine_pb2.VerifyResponse, float]:
         """Verify ``request_ids`` with ``drafts`` (one per request, all from one drafter step; rows
         may differ in k_i: ``VerifyRequest.num_draft_tokens``), or decode them (``drafts`` None:
         k = 0; ``num_decode_steps`` tokens each in this one call). Returns (response, wall ms).
         ``on_partial``: for a multi-step call, stream it (``VerifyStream``) and call this with
         each partial ``VerifyResponse`` (new tokens of the rows since the last) as it comes; the
-        returned response is still the whole call's. Raises grpc.aio.AioRpcError, and ValueError
+        returned response is still the whole call's; ``stream_interval``: decode steps per partial
+        message (``VerifyRequest.stream_interval``). Raises grpc.aio.AioRpcError, and ValueError
         when a stream ends without its whole response.
         """
         request = engine_pb2.VerifyRequest(step_id=step_id, request_ids=request_ids)
@@ -210,6 +211,7 @@ class EngineClients:
                 request.draft_probs.CopyFrom(probs)
         start = time.perf_counter()
         if on_partial is not None and request.num_decode_steps > 1:
+            request.stream_interval = stream_interval
             response = await self._verify_streamed(request, on_partial)
         else:
             response = await self.verifier.Verify(request, timeout=self.timeout)

@@ -87,8 +87,8 @@ class StepLoop(Postprocess):
         verify_start_s = time.time()
         num_steps = [self._num_decode_steps(reqs) if mode == Mode.AR else 1 for reqs, _ in groups]
         on_partial = (lambda response: self._commit_partial(response, streamed)) if self.cfg.stream_decode_steps else None
-        calls = [self.engines.verify(self.step_id, [r.request_id for r in reqs], d, self._data_plane, n, on_partial)
-                 for (reqs, d), n in zip(groups, num_steps)]
+        calls = [self.engines.verify(self.step_id, [r.request_id for r in reqs], d, self._data_plane, n, on_partial,
+                                     self.cfg.stream_interval) for (reqs, d), n in zip(groups, num_steps)]
         if ahead_spec and self.mode != Mode.AR:
             calls.append(self._draft(ahead_spec, times, 1 - verify_batch, mode))
         results = await asyncio.gather(*calls, return_exceptions=True)

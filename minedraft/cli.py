@@ -10,8 +10,8 @@ import sys
 
 from minedraft.engine_backend import ENGINES
 from minedraft.placement import DEVICES, NO_GPU, default_dtype, parse_gpu_list
-from minedraft.stack import (BALANCERS, DATA_PLANES, DEFAULT_TARGET, K_POLICIES, MODES, StackConfig,
-                             default_data_plane)
+from minedraft.stack import (BALANCERS, DATA_PLANES, DEFAULT_STREAM_INTERVAL, DEFAULT_TARGET, K_POLICIES, MODES,
+                             StackConfig, default_data_plane)
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 DEFAULT_PROMPTS = "../shared/data/spec_bench/question.jsonl"
@@ -93,6 +93,9 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-decode-steps", action=argparse.BooleanOptionalAction, default=True,
                    help="stream a multi-step call's tokens as each step decodes them (default); "
                         "--no-stream-decode-steps: at the call's end, one chunk per call")
+    p.add_argument("--stream-interval", type=int, default=DEFAULT_STREAM_INTERVAL,
+                   help="streamed multi-step calls: decode steps per partial message, as vLLM's "
+                        "--stream-interval (1: every step; larger: fewer, larger chunks)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="coordinator admits at most this many prompt tokens between two steps, so running "
                         "requests keep decoding and first tokens stream sooner (0: no limit; a longer prompt "
@@ -130,7 +133,7 @@ def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
                        engine_python=args.engine_python, gpu_memory_utilization=args.gpu_memory_utilization,
                        enforce_eager=args.enforce_eager, api_key=args.api_key, max_queue_len=args.max_queue_len,
                        grace_s=args.grace, num_decode_steps=args.decode_steps,
-                       stream_decode_steps=args.stream_decode_steps)
+                       stream_decode_steps=args.stream_decode_steps, stream_interval=args.stream_interval)
 
 
 def add_prompts_args(p: argparse.ArgumentParser) -> None:

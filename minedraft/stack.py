@@ -13,6 +13,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from coordinator.config import DEFAULT_STREAM_INTERVAL
 from gateway.config import DEFAULT_MAX_N
 from specdec.sample.bench_only import check_acceptance_prob, fixed_acceptance_label
 from minedraft.engine_backend import ENGINES, engine_python, vllm_service_args
@@ -92,7 +93,8 @@ class StackConfig:
             of the coordinator and the gateway.
         num_decode_steps: the coordinator's ``--decode-steps`` (tokens per request and Verify
             call in ``ar`` steps: multi-step decoding; 1 = one); stream_decode_steps: its
-            ``--[no-]stream-decode-steps`` (tokens reach the streams as each step decodes them).
+            ``--[no-]stream-decode-steps`` (tokens reach the streams as each step decodes them);
+            stream_interval: its ``--stream-interval`` (decode steps per streamed partial message).
     """
 
     mode: str = "psd"
@@ -137,6 +139,7 @@ class StackConfig:
     grace_s: float = 5.0
     num_decode_steps: int = 1
     stream_decode_steps: bool = True
+    stream_interval: int = DEFAULT_STREAM_INTERVAL
 
     def __post_init__(self) -> None:
         checks = {
@@ -165,6 +168,7 @@ class StackConfig:
             "engine": (self.engine in ENGINES, f"must be one of {ENGINES}"),
             "max_queue_len": (self.max_queue_len >= 1, "must be >= 1"),
             "num_decode_steps": (1 <= self.num_decode_steps <= 64, "must be in [1, 64]"),
+            "stream_interval": (1 <= self.stream_interval <= 64, "must be in [1, 64]"),
             "grace_s": (0 <= self.grace_s < self.stop_timeout_s, "must be >= 0 and below stop_timeout_s"),
             "gpu_memory_utilization": (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
                                        "must be in (0, 1]"),
@@ -335,7 +339,8 @@ def coordinator_spec(cfg: StackConfig) -> ServiceSpec:
             "--k-policy", cfg.k_policy, "--balancer", cfg.balancer,
             "--max-num-batched-tokens", str(_batched_tokens(cfg)), "--max-queue-len", str(cfg.max_queue_len),
             "--grace", repr(cfg.grace_s), "--decode-steps", str(cfg.num_decode_steps),
-            "--stream-decode-steps" if cfg.stream_decode_steps else "--no-stream-decode-steps"]
+            "--stream-decode-steps" if cfg.stream_decode_steps else "--no-stream-decode-steps",
+            "--stream-interval", str(cfg.stream_interval)]
     if cfg.step_log:
         argv += ["--step-log", os.path.abspath(cfg.step_log)]
     return ServiceSpec("coordinator", argv, f"{cfg.host}:{cfg.coordinator_port}", env=cfg.placement.torch_free_env())

@@ -66,6 +66,7 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
         self.delay_s, self.drafter, self.num_prob_rows, self.max_slots_used = delay_s, None, 0, 0
         self.num_dist_fetches, self.is_failing = 0, False
         self.decode_steps_seen: list[int] = []   # VerifyRequest.num_decode_steps > 1 seen
+        self.stream_intervals_seen: list[int] = []   # VerifyRequest.stream_interval of each VerifyStream call
         self.call_ends_s: list[float] = []       # perf_counter at the end of each streamed call
         # as the vLLM verifier: requests added while a multi-step call runs decode in it too
         self.joins_decode, self._joined_ids = False, None
@@ -134,6 +135,7 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
         if self.joins_decode:
             self._joined_ids = []
         self.decode_steps_seen.append(request.num_decode_steps)
+        self.stream_intervals_seen.append(request.stream_interval)
         rows: dict[str, list[int]] = {rid: [] for rid in request.request_ids}
         for _ in range(request.num_decode_steps):
             await asyncio.sleep(self.delay_s / request.num_decode_steps)

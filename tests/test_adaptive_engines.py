@@ -85,9 +85,9 @@ async def _run(engines, mode: str, tag: str, k_policy: str = "fixed", forced: bo
     scheduler, task = await start(cfg, servicer)
     widths, verify = [], scheduler.engines.verify
 
-    async def recording_verify(step_id, request_ids, drafts, data_plane, num_decode_steps=1, on_partial=None):
+    async def recording_verify(step_id, request_ids, drafts, *args):
         widths.append(sorted({len(d.token_ids) for d in drafts or ()}))
-        return await verify(step_id, request_ids, drafts, data_plane, num_decode_steps, on_partial)
+        return await verify(step_id, request_ids, drafts, *args)
 
     scheduler.engines.verify = recording_verify
     if forced:

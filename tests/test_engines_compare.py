@@ -30,13 +30,17 @@ SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, inte
     ("auto-vllm", SystemName("ours", "auto", "vllm")),
     ("ar-vllm-ds16", SystemName("ours", "ar", "vllm", decode_steps=16)),
     ("psd-native-ds1", SystemName("ours", "psd", "native", decode_steps=1)),
+    ("ar-vllm-ds32-block", SystemName("ours", "ar", "vllm", decode_steps=32, stream_decode_steps=False)),
+    ("ar-vllm-ds32-si4", SystemName("ours", "ar", "vllm", decode_steps=32, stream_interval=4)),
+    ("ar-native-si1", SystemName("ours", "ar", "native", stream_interval=1)),
 ])
 def test_parse_system_reads_every_form(name, expected):
     assert parse_system(name) == expected
 
 
 @pytest.mark.parametrize("name", ["vllm-sd-k0", "vllm-sd", "vllm-sd-kx", "vllm-psd", "psd", "psd-tgi", "xyz-vllm", "",
-                                  "ar-vllm-ds0", "ar-vllm-ds65", "vllm-ar-ds8", "ar-vllm-dsx"])
+                                  "ar-vllm-ds0", "ar-vllm-ds65", "vllm-ar-ds8", "ar-vllm-dsx", "ar-vllm-si0",
+                                  "ar-vllm-si65", "ar-vllm-si4-block", "ar-vllm-block-ds8", "ar-vllm-si4-ds8"])
 def test_parse_system_refuses_unknown_names_naming_them(name):
     with pytest.raises(ValueError, match=f"unknown system '{name}'"):
         parse_system(name)

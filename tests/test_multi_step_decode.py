@@ -91,6 +91,8 @@ def test_config_refuses_bad_decode_steps() -> None:
     for bad in (0, 65):
         with pytest.raises(ValueError, match="num_decode_steps"):
             CoordinatorConfig(num_decode_steps=bad)
+        with pytest.raises(ValueError, match="stream_interval"):
+            CoordinatorConfig(stream_interval=bad)
 
 
 def test_decode_room_follows_the_verifier_window() -> None:
@@ -203,12 +205,13 @@ def test_a_request_finishing_inside_a_streamed_call_ends_before_the_call() -> No
         return short, await stream(h, "next", [4, 4, 9], 4)
 
     async def run():
-        async with Harness(mode="ar", max_num_seqs=4, num_decode_steps=8, delay_s=0.8) as h:
+        async with Harness(mode="ar", max_num_seqs=4, num_decode_steps=8, delay_s=0.8, stream_interval=3) as h:
             h.verifier.joins_decode = True
             long, (short, after) = await asyncio.gather(stream(h, "long", [5, 9, 17], 17), closed_loop(h))
-            return long, short, after, list(h.verifier.call_ends_s)
+            return long, short, after, list(h.verifier.call_ends_s), h.verifier.stream_intervals_seen
 
-    long, short, after, call_ends = asyncio.run(run())
+    long, short, after, call_ends, intervals = asyncio.run(run())
+    assert intervals == [3, 3]   # the coordinator's stream_interval, in each call (this verifier streams every step)
     assert long == _expected([5, 9, 17], {"max_tokens": 17})
     assert short == _expected([7, 1, 30], {"max_tokens": 12}) and after == _expected([4, 4, 9], {"max_tokens": 4})
     assert chunks["long"] == [1] + [1] * 16, chunks       # named in both calls: a chunk per step
@@ -217,9 +220,10 @@ def test_a_request_finishing_inside_a_streamed_call_ends_before_the_call() -> No
     assert first["next"] < call_ends[1], (first, call_ends)  # admitted inside call 2
 
 
-def _stream_and_unary(tiny_llama, num_steps: int):
+def _stream_and_unary(tiny_llama, num_steps: int, stream_interval: int = 0):
     """Through a served ``VerifierServicer`` over the native float64 engine: the messages of one
-    ``VerifyStream`` call of ``num_steps`` steps, and a twin engine's unary ``Verify`` of it."""
+    ``VerifyStream`` call of ``num_steps`` steps (a partial every ``stream_interval``), and a twin
+    engine's unary ``Verify`` of it."""
     from coordinator_harness import _serve
     from minedraft.serving import aio_channel
     from minedraft.v1 import engine_pb2_grpc
@@ -229,6 +233,7 @@ def _stream_and_unary(tiny_llama, num_steps: int):
     add = engine_pb2.AddRequestsRequest(seqs=[engine_pb2.SeqInit(request_id=rid, prompt_token_ids=p, sampling=sampling)
                                               for rid, p in PROMPTS.items()])
     verify = engine_pb2.VerifyRequest(step_id=7, request_ids=list(PROMPTS), num_decode_steps=num_steps,
+                                      stream_interval=stream_interval,
                                       data_plane=engine_pb2.DATA_PLANE_INLINE)
     twin = VerifierEngine(_worker(tiny_llama), seed=0)
     twin.add(add)
@@ -269,3 +274,42 @@ def test_a_single_step_verify_stream_sends_only_the_whole_response(tiny_llama) -
     messages, unary = _stream_and_unary(tiny_llama, num_steps=1)
     assert len(messages) == 1 and not messages[0].is_partial
     assert messages[0].outputs == unary.outputs
+
+
+def test_verify_stream_sends_a_partial_per_stream_interval_steps(tiny_llama) -> None:
+    """``VerifyRequest.stream_interval`` 4 over 10 steps: each partial carries at least 4 steps of
+    every row, the partials are a prefix of the whole response, and fewer than 4 steps go unsent."""
+    messages, unary = _stream_and_unary(tiny_llama, num_steps=10, stream_interval=4)
+    *partials, whole = messages
+    assert partials and not whole.is_partial and whole.outputs == unary.outputs
+    streamed = {rid: [] for rid in PROMPTS}
+    for message in partials:
+        assert all(len(out.token_ids) >= 4 for out in message.outputs), message
+        for out in message.outputs:
+            streamed[out.request_id].extend(out.token_ids)
+    for out in whole.outputs:
+        assert list(out.token_ids[: len(streamed[out.request_id])]) == streamed[out.request_id]
+        assert 10 - len(streamed[out.request_id]) < 4
+
+
+def test_step_coalescer_merges_rows_over_the_interval_and_keeps_the_rest() -> None:
+    """``StepCoalescer``: every 3 steps one ``SeqOutput`` per row that decoded meanwhile (its
+    tokens, logprobs, top logprobs of those steps in order); a row absent from a step is merged
+    from the steps it has; the last 1 step (< 3) is not emitted (the whole response carries it)."""
+    from specdec.engine.worker_base import StepOutput
+    from verifier_svc.streaming import StepCoalescer
+
+    emitted: list[list] = []
+    hook = StepCoalescer(emitted.append, 3)
+    for step in range(7):
+        rows = [StepOutput("a", [10 + step], 0, [-0.1 * step], [([10 + step], [-0.1 * step])])]
+        if 1 <= step <= 4:
+            rows.append(StepOutput("b", [20 + step], 0, [-1.0 - step]))
+        hook(rows)
+    assert len(emitted) == 2
+    first, second = ({o.request_id: o for o in message} for message in emitted)
+    assert list(first["a"].token_ids) == [10, 11, 12] and list(first["b"].token_ids) == [21, 22]
+    assert list(first["b"].logprobs) == pytest.approx([-2.0, -3.0])
+    assert [list(t.token_ids) for t in first["a"].top_logprobs] == [[10], [11], [12]]
+    assert list(second["a"].token_ids) == [13, 14, 15] and list(second["b"].token_ids) == [23, 24]
+    assert StepCoalescer(emitted.append, 0).interval == 1

@@ -24,6 +24,7 @@ from opentelemetry import trace
 from engine_svc.service import check_unique_ids, elapsed_ms, to_sampling_params, to_seq_output
 from minedraft.v1 import engine_pb2
 from engine_svc.tensor_proto import is_empty_proto, proto_to_tensor
+from verifier_svc.streaming import StepCoalescer
 from verifier_svc.tp import CMD_ADD, CMD_RELEASE, CMD_SHUTDOWN, CMD_VERIFY, PROBS_DTYPES, CommandChannel
 
 logger = logging.getLogger(__name__)
@@ -123,7 +124,8 @@ class VerifierEngine:
         tokens each (``TargetWorker.verify``); padding past k_i is never read.
 
         ``on_step``: for a multi-step call (``num_decode_steps`` > 1), called in this thread
-        after each decode step with the ``SeqOutput``s of its named rows' new tokens.
+        every ``request.stream_interval`` decode steps (0: every step) with one ``SeqOutput`` per
+        named row that decoded since the last call: its new tokens (``StepCoalescer``).
 
         Raises: KeyError (unknown id), ValueError / TensorDecodeError (shapes),
         DraftProbsMissingError / DataPlaneUnavailableError (dist plane), CapacityError.
@@ -208,7 +210,7 @@ class VerifierEngine:
         draft_ids = self._draft_token_ids(command, len(ids))
         ks = _row_ks(command, len(ids), draft_ids.shape[1])
         if command.num_decode_steps > 1:
-            hook = None if on_step is None else (lambda steps: on_step([to_seq_output(step) for step in steps]))
+            hook = None if on_step is None else StepCoalescer(on_step, command.stream_interval)
             return [to_seq_output(step) for step in self.worker.decode(ids, command.num_decode_steps, hook)]
         steps = self.worker.verify(ids, [row[:k_i] for row, k_i in zip(draft_ids.tolist(), ks)], probs)
         return [to_seq_output(step) for step in steps]

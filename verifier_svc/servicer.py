@@ -102,9 +102,11 @@ class VerifierServicer(engine_pb2_grpc.VerifierServicer):
             await abort_with(context, exc)
 
     async def VerifyStream(self, request, context):
-        """``Verify``, streaming a multi-step call's tokens as they decode: the steps the engine
-        thread finished since the last message go out as one partial message (rows merged), and
-        the call's whole ``VerifyResponse`` comes last. Errors as ``Verify``'s."""
+        """``Verify``, streaming a multi-step call's tokens as they decode: the engine thread
+        hands on its outputs every ``request.stream_interval`` steps (``verifier_svc.streaming``),
+        what it handed on since the last message goes out as one partial message (rows merged),
+        and the call's whole ``VerifyResponse`` comes last (with the steps no partial carried).
+        Errors as ``Verify``'s."""
         await self._check_ready(context)
         plane = await self._plane_of(request, context)
         loop = asyncio.get_running_loop()

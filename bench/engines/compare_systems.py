@@ -1,8 +1,9 @@
 """The systems of ``bench.engines.engines_compare``: our stack on either engine backend, vLLM's own server.
 
-Names: ``<mode>-<engine>[-ds<N>][-block]`` for ours (mode ``ar``/``sd``/``psd``/``auto``, engine
+Names: ``<mode>-<engine>[-ds<N>][-si<S>|-block]`` for ours (mode ``ar``/``sd``/``psd``/``auto``, engine
 ``vllm`` or ``native``; ``-ds<N>``: ``--decode-steps N`` for this system, else the run's;
-``-block``: ``--no-stream-decode-steps``, a multi-step call's tokens at its end), ``vllm-ar`` and
+``-si<S>``: ``--stream-interval S`` (else the default); ``-block``: ``--no-stream-decode-steps``,
+a multi-step call's tokens at its end), ``vllm-ar`` and
 ``vllm-sd-k<K>`` for vLLM. Start/stop and metrics are those of
 ``bench.common.systems.OursSystem`` / ``VllmSystem`` (subclassed: only the command lines differ).
 """
@@ -18,7 +19,7 @@ from minedraft.engine_backend import ENGINES, OWN_GPU_UTILIZATION, engine_python
 
 OUR_MODES = ("ar", "sd", "psd", "auto")
 _VLLM_SD = re.compile(r"^vllm-sd-k(\d+)$")
-_DECODE_STEPS = re.compile(r"^(.*)-ds(\d+)$")
+_OURS = re.compile(r"^(?P<mode>[a-z]+)-(?P<engine>[a-z]+)(?:-ds(?P<ds>\d+))?(?:-si(?P<si>\d+)|(?P<block>-block))?$")
 SERVED_MODEL = "minedraft-bench-target"
 
 
@@ -30,6 +31,7 @@ class SystemName:
     k: int | None = None   # vLLM sd: num_speculative_tokens
     decode_steps: int | None = None  # ours: --decode-steps of this system (None: the run's)
     stream_decode_steps: bool = True  # ours: False for -block (--no-stream-decode-steps)
+    stream_interval: int | None = None  # ours: --stream-interval of this system (None: the default)
 
 
 def parse_system(name: str) -> SystemName:
@@ -39,14 +41,15 @@ def parse_system(name: str) -> SystemName:
     match = _VLLM_SD.match(name)
     if match and int(match.group(1)) >= 1:
         return SystemName("vllm", "sd", k=int(match.group(1)))
-    base, decode_steps = name.removesuffix("-block"), None
-    if (steps := _DECODE_STEPS.match(base)) and 1 <= int(steps.group(2)) <= 64:
-        base, decode_steps = steps.group(1), int(steps.group(2))
-    mode, _, engine = base.partition("-")
-    if mode in OUR_MODES and engine in ENGINES:
-        return SystemName("ours", mode, engine, decode_steps=decode_steps, stream_decode_steps=not name.endswith("-block"))
+    ours = _OURS.match(name)
+    counts = [int(ours.group(g)) for g in ("ds", "si") if ours.group(g) is not None] if ours else []
+    if ours and ours.group("mode") in OUR_MODES and ours.group("engine") in ENGINES and all(1 <= n <= 64 for n in counts):
+        return SystemName("ours", ours.group("mode"), ours.group("engine"),
+                          decode_steps=int(ours.group("ds")) if ours.group("ds") else None,
+                          stream_decode_steps=ours.group("block") is None,
+                          stream_interval=int(ours.group("si")) if ours.group("si") else None)
     raise ValueError(f"systems: unknown system {name!r} (forms: vllm-ar, vllm-sd-k<K>, "
-                     f"<{'|'.join(OUR_MODES)}>-<{'|'.join(ENGINES)}>[-ds<N>][-block], N in [1, 64])")
+                     f"<{'|'.join(OUR_MODES)}>-<{'|'.join(ENGINES)}>[-ds<N>][-si<S>|-block], N and S in [1, 64])")
 
 
 def synthetic_rates(p: float, k: int) -> list[float]:
@@ -80,7 +83,8 @@ class OursServer(OursSystem):
             dist_port=dist, http_port=http, step_log=self._step_log, runs_dir=logs_dir,
             startup_timeout_s=cfg.startup_timeout_s,
             num_decode_steps=cfg.decode_steps if system.decode_steps is None else system.decode_steps,
-            stream_decode_steps=system.stream_decode_steps)
+            stream_decode_steps=system.stream_decode_steps,
+            **({} if system.stream_interval is None else {"stream_interval": system.stream_interval}))
         self._stack = Stack(stack, run_dir=logs_dir)
         self._model_dir = resolve_model_dir(cfg.target)
         self.endpoint = Endpoint(f"http://127.0.0.1:{http}/v1", os.path.basename(os.path.normpath(cfg.target)),

@@ -1,0 +1,50 @@
+"""A streamed multi-step call's partial outputs, merged over ``stream_interval`` decode steps.
+
+``Verifier.VerifyStream`` (``verifier_svc.servicer``) sends a multi-step call's tokens while the
+engine decodes them. One partial message per engine step costs a message per step through the
+coordinator and the gateway (at 64 requests, 64 one-token chunks per step), so the engine thread
+merges ``VerifyRequest.stream_interval`` steps into one partial (vLLM's ``--stream-interval``
+trades smoothness for host overhead the same way). The steps after the last partial reach the
+coordinator in the call's whole ``VerifyResponse``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine_svc.service import to_seq_output
+from minedraft.v1 import engine_pb2
+from specdec.engine.worker_base import StepOutput
+
+
+class StepCoalescer:
+    """The engine's per-step hook (``decode(..., on_step)``) for one streamed call: merges the
+    steps' ``StepOutput`` rows per request and calls ``emit`` with them as ``SeqOutput`` protos
+    every ``interval`` steps.
+
+    Args:
+        emit: called in the engine thread with one ``SeqOutput`` per request that decoded since
+            the last call (its tokens, logprobs and top logprobs of those steps, in order).
+        interval: engine steps per ``emit`` (>= 1; 0 counts as 1, as the proto's default).
+    """
+
+    def __init__(self, emit: Callable[[list[engine_pb2.SeqOutput]], None], interval: int) -> None:
+        self.emit = emit
+        self.interval = max(int(interval), 1)
+        self._rows: dict[str, StepOutput] = {}
+        self._num_steps = 0
+
+    def __call__(self, steps: list[StepOutput]) -> None:
+        for step in steps:
+            row = self._rows.get(step.request_id)
+            if row is None:
+                self._rows[step.request_id] = StepOutput(step.request_id, list(step.token_ids), 0, list(step.logprobs),
+                                                         list(step.top_logprobs))
+            else:
+                row.token_ids += step.token_ids
+                row.logprobs += step.logprobs
+                row.top_logprobs += step.top_logprobs
+        self._num_steps += 1
+        if self._num_steps >= self.interval and self._rows:
+            rows, self._rows, self._num_steps = self._rows, {}, 0
+            self.emit([to_seq_output(row) for row in rows.values()])
