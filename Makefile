@@ -33,9 +33,11 @@ protos: $(STAMP)
 check-protos: $(STAMP)
 	PYTHON=$(PY) scripts/gen_protos.sh --check
 
-# The suite in .venv, then the vLLM backend's in-process tests in .venv-vllm (tests/vllm_backend)
+# The suite in .venv (TEST_WORKERS pytest-xdist workers, one test file per worker at a time:
+# module fixtures start once), then the vLLM backend's in-process tests in .venv-vllm (tests/vllm_backend)
+TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP) check-protos
-	$(PY) -m pytest -q tests --ignore=tests/vllm_backend
+	$(PY) -m pytest -q tests --ignore=tests/vllm_backend -n $(TEST_WORKERS) --dist loadfile
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_backend
 
 # Shared prompt data (CI lays it out next to the repo); override: make demo DATA=/path/to/data
