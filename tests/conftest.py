@@ -87,6 +87,14 @@ def tiny_llama_dir():
     return make
 
 
+# Spec-Bench's prompts in the shared prompt data: $MINEDRAFT_DATA, else ../shared/data beside the
+# checkout (where CI and the Makefile's DATA look); tests that read it skip when it is absent.
+SHARED_DATA = os.environ.get("MINEDRAFT_DATA") or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                               "..", "shared", "data")
+SPEC_BENCH = os.path.normpath(os.path.join(SHARED_DATA, "spec_bench", "question.jsonl"))
+needs_spec_bench = pytest.mark.skipif(not os.path.isfile(SPEC_BENCH), reason=f"no Spec-Bench prompts at {SPEC_BENCH}")
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     """HF dir of the real SmolLM2-135M-Instruct (GGUF converted once, then cached)."""

@@ -15,7 +15,6 @@ from specdec.config import CacheConfig, ModelConfig
 from specdec.kv.kv_cache import _grouped_attention
 from specdec.engine.runner import ModelRunner
 
-DATA = "/work/shared/data/spec_bench/question.jsonl"
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,q_len", [(9, 3, 1), (9, 3, 5), (4, 4, 3), (4, 1, 2)])
@@ -66,6 +65,8 @@ def test_resolve_bench_dtype():
 
 
 def test_suite_uses_one_dtype_for_ours_and_vllm(tmp_path):
+    DATA = str(tmp_path / "question.jsonl")
+    open(DATA, "w").write('{"question_id": 1, "category": "writing", "turns": ["Hi"]}\n')
     cfg = parse_args(["--data", DATA, "--dtype", "bfloat16"])
     assert cfg.dtype == "bfloat16"
     assert parse_args(["--data", DATA]).dtype == resolve_bench_dtype(AUTO_DTYPE)

@@ -16,6 +16,7 @@ from reference.loop import LoopConfig, ReferenceLoop, Request
 from specdec.engine.runner import ModelRunner
 from specdec.sample.sampling import SamplingParams
 from specdec.engine.worker import DraftWorker, TargetWorker
+from conftest import SPEC_BENCH, needs_spec_bench
 
 torch.set_num_threads(1)
 
@@ -171,7 +172,6 @@ def test_continuous_admission_never_exceeds_max_num_seqs(tiny_llama):
 
 
 # ---- real SmolLM2-135M-Instruct, float32, 16 Spec-Bench prompts ---------------------------------
-SPEC_BENCH = "/work/shared/data/spec_bench/question.jsonl"
 NUM_REAL_PROMPTS, REAL_MAX_TOKENS, REAL_K, MAX_TIE_GAP = 8, 32, 3, 1e-4
 
 
@@ -186,6 +186,7 @@ def _top2_gap(runner, sequence):
 
 
 @pytest.mark.slow
+@needs_spec_bench
 def test_real_smollm2_greedy_sd_psd_equal_ar(smollm2_dir):
     from transformers import AutoTokenizer
 

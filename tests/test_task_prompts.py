@@ -4,7 +4,6 @@ task type present, no Spec-Bench overlap."""
 from __future__ import annotations
 
 import json
-import os
 import random
 
 import pytest
@@ -13,7 +12,7 @@ from distill import math_problems
 from distill import task_corpus
 from distill import task_prompts as tp
 
-SPEC_BENCH = "/work/shared/data/spec_bench/question.jsonl"
+from conftest import SPEC_BENCH, needs_spec_bench
 DOCS = [(f"Question number {i} about topic {i % 7}?",
          " ".join(f"Sentence {j} of answer {i} explains the topic in plain words." for j in range(8)))
         for i in range(40)]
@@ -65,7 +64,7 @@ def test_prompts_overlapping_the_evaluation_set_are_dropped():
     assert not tp.overlaps("what is the capital of chile", excluded)
 
 
-@pytest.mark.skipif(not os.path.exists(SPEC_BENCH), reason="Spec-Bench not available")
+@needs_spec_bench
 def test_real_spec_bench_does_not_overlap_the_built_prompts():
     with open(SPEC_BENCH, encoding="utf-8") as f:
         turns = [t for row in map(json.loads, filter(str.strip, f)) for t in row["turns"]]
