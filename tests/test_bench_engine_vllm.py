@@ -28,10 +28,19 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
-def test_ours_only_end_to_end_writes_consistent_positive_figures(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory) -> str:
+    """Two Spec-Bench-format questions (the shared data need not be beside the checkout)."""
+    path = tmp_path_factory.mktemp("data") / "question.jsonl"
+    path.write_text("\n".join(json.dumps({"question_id": i, "category": "writing", "turns": [text]}) for i, text in
+                              enumerate(("Write a haiku about rain.", "Explain what a KV cache is."))) + "\n")
+    return str(path)
+
+
+def test_ours_only_end_to_end_writes_consistent_positive_figures(tiny_model_dir, questions, tmp_path):
     affinity = os.sched_getaffinity(0)
     result = engine_vllm.main(["--model", tiny_model_dir, "--num-prompts", "2", "--num-steps", "2",
-                               "--skip-vllm", "--out-dir", str(tmp_path)])
+                               "--skip-vllm", "--out-dir", str(tmp_path), "--data", questions])
     assert os.sched_getaffinity(0) == affinity                      # the pin is undone
     saved = json.loads((tmp_path / "results.json").read_text())
     cfg, ours = saved["config"], saved["ours"]
@@ -50,8 +59,8 @@ def test_ours_only_end_to_end_writes_consistent_positive_figures(tiny_model_dir,
     assert "| ours |" in table and "| vLLM" not in table and "ours / vLLM" not in table
 
 
-def test_same_prompts_as_token_ids_through_the_chat_template(tiny_model_dir):
-    ids = engine_vllm.prompt_ids(tiny_model_dir, engine_vllm.DEFAULT_DATA, 2)
+def test_same_prompts_as_token_ids_through_the_chat_template(tiny_model_dir, questions):
+    ids = engine_vllm.prompt_ids(tiny_model_dir, questions, 2)
     assert len(ids) == 2 and all(isinstance(t, int) for row in ids for t in row)
     assert ids[0] != ids[1] and ids[0][0] == ids[1][0]              # same chat header, different text
 
