@@ -53,12 +53,12 @@ def model_dirs(tmp_path_factory):
     return tuple(dirs)
 
 
-def _config(mode: str, target: str, draft: str, runs_dir: str) -> StackConfig:
+def _config(mode: str, target: str, draft: str, runs_dir: str, **overrides) -> StackConfig:
     gateway, coordinator, drafter, verifier, dist = _free_ports(5)
     return StackConfig(mode=mode, num_speculative_tokens=3, max_num_seqs=M, target=target, draft=draft,
                        max_model_len=MAX_MODEL_LEN, gateway_port=gateway, coordinator_port=coordinator,
                        drafter_port=drafter, verifier_port=verifier, dist_port=dist, runs_dir=runs_dir,
-                       startup_timeout_s=300)
+                       startup_timeout_s=300, **overrides)
 
 
 def _generate_all(cfg: StackConfig) -> list[GenerationResult]:
@@ -109,7 +109,8 @@ def _wait_slots_free(cfg: StackConfig, timeout_s: float = 30.0) -> list[engine_p
 def psd_stack(model_dirs, tmp_path_factory):
     """A running psd stack; records every gateway health transition seen during start-up."""
     target, draft = model_dirs
-    cfg = _config("psd", target, draft, str(tmp_path_factory.mktemp("runs")))
+    # a long drain grace: its last test's in-flight streams finish within it on a loaded machine
+    cfg = _config("psd", target, draft, str(tmp_path_factory.mktemp("runs")), grace_s=30.0, stop_timeout_s=60.0)
     violations: list[str] = []
     is_starting = threading.Event()
     is_starting.set()
