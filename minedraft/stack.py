@@ -13,7 +13,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from coordinator.config import DEFAULT_STREAM_INTERVAL
+from coordinator.config import DEFAULT_STREAM_INTERVAL, MAX_DECODE_STEPS
 from gateway.config import DEFAULT_MAX_N
 from specdec.sample.bench_only import check_acceptance_prob, fixed_acceptance_label
 from minedraft.engine_backend import ENGINES, engine_python, vllm_service_args
@@ -167,8 +167,8 @@ class StackConfig:
                                        "must be >= 0 (0 = no limit)"),
             "engine": (self.engine in ENGINES, f"must be one of {ENGINES}"),
             "max_queue_len": (self.max_queue_len >= 1, "must be >= 1"),
-            "num_decode_steps": (1 <= self.num_decode_steps <= 64, "must be in [1, 64]"),
-            "stream_interval": (1 <= self.stream_interval <= 64, "must be in [1, 64]"),
+            "num_decode_steps": (1 <= self.num_decode_steps <= MAX_DECODE_STEPS, f"must be in [1, {MAX_DECODE_STEPS}]"),
+            "stream_interval": (1 <= self.stream_interval <= MAX_DECODE_STEPS, f"must be in [1, {MAX_DECODE_STEPS}]"),
             "grace_s": (0 <= self.grace_s < self.stop_timeout_s, "must be >= 0 and below stop_timeout_s"),
             "gpu_memory_utilization": (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
                                        "must be in (0, 1]"),

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from bench.common.systems import Endpoint, OursSystem, VllmSystem
+from coordinator.config import DEFAULT_STREAM_INTERVAL
 from minedraft.engine_backend import ENGINES, OWN_GPU_UTILIZATION, engine_python
 
 OUR_MODES = ("ar", "sd", "psd", "auto")
@@ -84,7 +85,7 @@ class OursServer(OursSystem):
             startup_timeout_s=cfg.startup_timeout_s,
             num_decode_steps=cfg.decode_steps if system.decode_steps is None else system.decode_steps,
             stream_decode_steps=system.stream_decode_steps,
-            **({} if system.stream_interval is None else {"stream_interval": system.stream_interval}))
+            stream_interval=system.stream_interval or DEFAULT_STREAM_INTERVAL)
         self._stack = Stack(stack, run_dir=logs_dir)
         self._model_dir = resolve_model_dir(cfg.target)
         self.endpoint = Endpoint(f"http://127.0.0.1:{http}/v1", os.path.basename(os.path.normpath(cfg.target)),
