@@ -10,7 +10,10 @@ rows are done. vLLM's automatic prefix caching keeps every committed prefix's KV
 catch-up computes only the last partial block and the newly committed tokens, then k_i - 1
 decode steps follow: the work of a drafter with its own resident KV, on vLLM's kernels and
 CUDA graphs. ``add_requests`` prefills each prompt once so that the prompt's KV is cached
-before the request's first draft.
+before the request's first draft. So that each call takes k_i engine steps, the engine is built
+by ``drafting_config``: KV blocks of 32 tokens on CPU (vLLM's CPU default of 128 made every
+catch-up recompute up to 127 tokens a row, and 16 rows' catch-ups overflowed one step's token
+budget: 5.7 steps per k = 4 call, 4.0 after) and a step budget that holds every row's catch-up.
 
 Draft tokens are sampled with the request's temperature / top-k / top-p / min-p; a seeded
 request gets a seed per draft call derived from its seed and its committed length, so a seeded
@@ -21,6 +24,7 @@ stays lossless (``specdec.sample.rejection``).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -36,6 +40,20 @@ from specdec.engine.worker_base import DraftCapacityError
 _SEED_BITS = 63
 _SEED_MIX = 0x9E3779B97F4A7C15   # golden-ratio constant: decorrelates per-call draft seeds
 MAX_DRAFT_STEPS_SLACK = 64       # engine steps beyond k allowed for chunked catch-ups
+DRAFT_BLOCK_SIZE = {"cpu": 32}   # KV block tokens on CPU: the smallest vLLM's CPU attention takes
+VLLM_CUDA_BLOCK_SIZE = 16        # vLLM's default on CUDA (left to vLLM)
+CATCH_UP_NEW_TOKENS = 16         # committed tokens per row and call the step budget holds (k <= 15)
+
+
+def drafting_config(cfg: VllmEngineConfig) -> VllmEngineConfig:
+    """``cfg`` with the draft engine's defaults where it leaves them open: on CPU ``block_size``
+    32 (a catch-up recomputes the uncached part of the last block, up to block_size - 1 tokens a
+    row; vLLM's CPU default is 128), and ``max_num_batched_tokens`` at least ``max_num_seqs x
+    (block_size + CATCH_UP_NEW_TOKENS)``, so every row's catch-up fits the call's first step."""
+    block = cfg.block_size or DRAFT_BLOCK_SIZE.get(cfg.device)
+    per_row = (block or VLLM_CUDA_BLOCK_SIZE) + CATCH_UP_NEW_TOKENS
+    budget = cfg.max_num_batched_tokens or max(cfg.batched_tokens, cfg.max_num_seqs * per_row)
+    return dataclasses.replace(cfg, block_size=block, max_num_batched_tokens=budget)
 
 
 @dataclass
@@ -49,7 +67,8 @@ class VllmDraftWorker:
     """Draft-model worker on an in-process vLLM engine (see module docstring).
 
     Args:
-        cfg: the engine settings (``enable_prefix_caching`` must be on).
+        cfg: the engine settings (``enable_prefix_caching`` must be on; ``drafting_config`` fills
+            in block size and step budget).
         target_vocab_size: the target's vocabulary (draft ids must lie below it; None: the draft's).
         seed: seeds the per-request seeds of unseeded requests (None: random).
         engine: an engine built from ``cfg`` (tests share one); None builds it.
@@ -62,7 +81,7 @@ class VllmDraftWorker:
                  engine=None) -> None:
         if not cfg.enable_prefix_caching:
             raise ValueError("enable_prefix_caching: the vLLM drafter needs it on (its catch-up reuses cached KV)")
-        self.cfg = cfg
+        self.cfg = cfg = drafting_config(cfg)
         self.engine = engine if engine is not None else build_engine(cfg)
         self._facts = engine_facts(self.engine, cfg)
         if target_vocab_size is not None and target_vocab_size < self._facts.vocab_size:

@@ -66,6 +66,8 @@ class VllmEngineConfig:
         enable_prefix_caching: vLLM's automatic prefix caching (the drafter relies on it).
         max_num_batched_tokens: tokens per engine step (None: ``max(max_model_len,
             max_num_seqs * (k + 1))``, so one step holds a whole verify batch or a whole prompt).
+        block_size: tokens per paged KV-cache block (None: vLLM's platform default, 16 on CUDA,
+            128 on CPU; vLLM's CPU attention needs a multiple of 32).
         seed: vLLM's global seed (requests carry their own seeds).
         async_scheduling: vLLM's async scheduling (step i + 1 scheduled while step i runs), for
             an engine without speculation (the drafter, and the verifier of ``ar``); vLLM's CPU
@@ -86,6 +88,7 @@ class VllmEngineConfig:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int | None = None
+    block_size: int | None = None
     seed: int = 0
     async_scheduling: bool = False
 
@@ -107,6 +110,7 @@ class VllmEngineConfig:
             "kv_cache_space_gib": (self.kv_cache_space_gib > 0, "must be > 0"),
             "max_num_batched_tokens": (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
                                        "must be >= 1"),
+            "block_size": (self.block_size is None or self.block_size >= 1, "must be >= 1"),
             "async_scheduling": (not self.async_scheduling or self.num_speculative_tokens == 0,
                                  "needs num_speculative_tokens 0 (verify steps are one per call)"),
         }
@@ -155,6 +159,7 @@ def build_engine(cfg: VllmEngineConfig):
         enable_prefix_caching=cfg.enable_prefix_caching,
         scheduler_cls=ASYNC_SCHEDULER_CLS if cfg.async_scheduling else SCHEDULER_CLS,
         speculative_config=cfg.speculative_config(), async_scheduling=cfg.async_scheduling, disable_log_stats=True,
+        **({"block_size": cfg.block_size} if cfg.block_size is not None else {}),
         **({"gpu_memory_utilization": cfg.gpu_memory_utilization} if cfg.device == "cuda"
            else {"kv_cache_memory_bytes": int(cfg.kv_cache_space_gib * 2**30)}))
     engine = LLMEngine.from_engine_args(args)

@@ -8,7 +8,7 @@ and a too-small KV cache are refused, greedy verification is exact for any draft
 sampling repeats whatever shares the batch, sampled speculative decoding with a different
 draft model reproduces the target's exact distribution (chi-square), penalised greedy verification
 counts the earlier drafts as output (vLLM's penalties under speculation), release frees the KV, and
-``VllmDraftWorker``'s catch-up, capacity and unknown-id contracts.
+``VllmDraftWorker``'s catch-up (k engine steps per call), capacity and unknown-id contracts.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 from conftest import _build_tiny_llama
 from specdec.errors import CapacityError
 from specdec.sample.sampling import SamplingParams
-from specdec.vllm_backend.draft import VllmDraftWorker
+from specdec.vllm_backend.draft import CATCH_UP_NEW_TOKENS, VllmDraftWorker, drafting_config
 from specdec.vllm_backend.engine import VllmEngineConfig, build_engine, check_kv_capacity, to_vllm_sampling
 from specdec.vllm_backend.target import VllmTargetWorker
 from specdec.engine.worker_base import DraftCapacityError
@@ -370,6 +370,45 @@ def test_draft_catch_up_after_partial_acceptance_drafts_from_the_committed_seque
         assert again != stale
     finally:
         drafter.release("catch"), fresh.release("ref")
+
+
+def test_draft_calls_take_k_engine_steps_while_every_row_catches_up(drafter, monkeypatch):
+    """24 rows, each committing 1-5 tokens per call after the uncached tail of its last KV block:
+    every call's catch-ups fit its first engine step, so a call of k = 4 takes 4 steps (with
+    vLLM's CPU default, 128-token blocks in a 256-token step budget, it took 11)."""
+    cache, sched = drafter.engine.vllm_config.cache_config, drafter.engine.vllm_config.scheduler_config
+    assert cache.block_size == 32 and sched.max_num_batched_tokens == 32 * (32 + CATCH_UP_NEW_TOKENS)
+    ids = [f"steps{i}" for i in range(24)]
+    seqs = {rid: _prompt(70 + i, 40 + 3 * i) for i, rid in enumerate(ids)}
+    drafter.add_requests([(rid, seqs[rid], GREEDY) for rid in ids])
+    num_steps, step = [], drafter.engine.step
+    monkeypatch.setattr(drafter.engine, "step", lambda: (num_steps.append(1), step())[1])
+    try:
+        for call in range(3):
+            committed = []
+            for i, rid in enumerate(ids):
+                start = len(seqs[rid])
+                seqs[rid] += _prompt(100 * call + i, 1 + (i + call) % 5)
+                committed.append((start, seqs[rid][start:]))
+            num_steps.clear()
+            rows, _ = drafter.draft(ids, committed, K)
+            assert [len(row) for row in rows] == [K] * len(ids) and len(num_steps) == K, (call, len(num_steps))
+    finally:
+        for rid in ids:
+            drafter.release(rid)
+
+
+def test_drafting_config_fills_block_size_and_step_budget_only_where_left_open(models):
+    cpu = drafting_config(_cfg(models[1], max_num_seqs=64))
+    assert cpu.block_size == 32 and cpu.max_num_batched_tokens == 64 * (32 + CATCH_UP_NEW_TOKENS)
+    cuda = drafting_config(_cfg(models[1], device="cuda", max_num_seqs=4, max_model_len=2048))
+    assert cuda.block_size is None and cuda.max_num_batched_tokens == 2048   # vLLM's 16; max_model_len is more
+    wide = drafting_config(_cfg(models[1], device="cuda", max_num_seqs=256, max_model_len=2048))
+    assert wide.max_num_batched_tokens == 256 * (16 + CATCH_UP_NEW_TOKENS)
+    mine = drafting_config(_cfg(models[1], block_size=64, max_num_batched_tokens=100))
+    assert (mine.block_size, mine.max_num_batched_tokens) == (64, 100)
+    with pytest.raises(ValueError, match="block_size"):
+        VllmEngineConfig(model=models[1], block_size=0)
 
 
 def test_draft_capacity_error_changes_nothing_and_unknown_ids_raise(drafter):
