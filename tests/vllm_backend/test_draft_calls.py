@@ -1,0 +1,23 @@
+"""``bench.engines.draft_calls`` on vLLM's CPU build (run in ``.venv-vllm``): both draft-engine
+set-ups run, and the results say what each call cost; with ``drafting_config``'s defaults a call
+of k drafts takes k engine steps even when 24 rows catch up at once, while vLLM's CPU defaults
+(128-token blocks, a 256-token step budget here) split the catch-ups over more steps."""
+from __future__ import annotations
+
+import json
+
+from bench.engines import draft_calls
+
+
+def test_both_setups_run_and_only_the_drafting_one_takes_k_steps_per_call(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MINEDRAFT_CACHE", str(tmp_path / "cache"))
+    assert draft_calls.main(["--device", "cpu", "--dtype", "float32", "--draft", "random:tiny-llama-hd64",
+                             "--enforce-eager", "--rows", "2,24", "--k", "3", "--num-calls", "3", "--num-warmup", "1",
+                             "--max-model-len", "256", "--out-dir", str(tmp_path / "out")]) == 0
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    points = {(r["setup"], r["rows"]): r for r in result["rows"]}
+    assert set(points) == {(s, n) for s in draft_calls.SETUPS for n in (2, 24)}
+    assert [points["drafting", n]["steps_per_call"] for n in (2, 24)] == [3.0, 3.0]
+    assert points["vllm-default", 24]["block_size"] == 128 and points["vllm-default", 24]["steps_per_call"] > 3
+    assert all(r["ms_per_call"] > 0 and r["add_request_ms_per_call"] > 0 for r in result["rows"])
+    assert "| drafting | 32 |" in (tmp_path / "out" / "results.md").read_text()
