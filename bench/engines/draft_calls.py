@@ -85,6 +85,14 @@ def _config(a, setup: str, model: str, load_format: str, max_num_seqs: int):
     return cfg
 
 
+def _allow_another_capture() -> None:
+    """Lift vLLM's guard against CUDA graph captures after an engine of this process captured
+    its own (``bench.engines.vllm_backend_smoke`` does the same: one engine per set-up here)."""
+    from vllm.compilation import monitor
+
+    monitor.set_cudagraph_capturing_enabled(True)
+
+
 def _measure(a, worker, timed: _Timed, n: int, seed: int) -> dict:
     from specdec.sample.sampling import SamplingParams
 
@@ -133,8 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.vllm_backend.models import resolve_vllm_model
 
     model, load_format = resolve_vllm_model(a.draft)
-    workers = {setup: VllmDraftWorker(_config(a, setup, model, load_format, max(a.rows)), seed=0)
-               for setup in a.setups}   # all kept: a collected engine tears down vLLM's process-wide groups
+    workers = {}   # all kept: a collected engine tears down vLLM's process-wide groups
+    for setup in a.setups:
+        _allow_another_capture()
+        workers[setup] = VllmDraftWorker(_config(a, setup, model, load_format, max(a.rows)), seed=0)
     timers = {setup: _Timed(worker.engine) for setup, worker in workers.items()}
     rows = []
     for n in a.rows:   # the set-ups take turns at each point, so neither gets the process's warm-up

@@ -9,7 +9,8 @@
 #        smollm2 - the real SmolLM2-135M-Instruct target with our distilled draft, greedy.
 # Drafter and verifier share GPU 0 under CUDA MPS (MPS=0: no MPS). Env: SYSTEMS, CONCURRENCIES, EXTRA, DATA (the prompts) override;
 # SMOKE=1 first runs bench.engines.vllm_backend_smoke (the backend's workers in-process, greedy sd = ar;
-# SMOKE_ARGS its flags, SMOKE_ONLY=1 stops after it); PROFILE=1 first runs bench.engines.ar_step_profile (PROFILE_ARGS).
+# SMOKE_ARGS its flags, SMOKE_ONLY=1 stops after it); PROFILE=1 first runs bench.engines.ar_step_profile (PROFILE_ARGS);
+# DRAFT_CALLS=1 first runs bench.engines.draft_calls (DRAFT_CALLS_ARGS: one vLLM draft call per engine set-up).
 set -u
 TABLE=${1:?TABLE: paper or smollm2}
 TOTAL_S=${2:-560}
@@ -40,6 +41,11 @@ fi
 if [ -n "${PROFILE:-}" ]; then   # where ours `ar` step goes against vLLM's own loop on one engine (PROFILE_ARGS: its flags)
   timeout "${PROFILE_TIMEOUT:-300}" python3 -m bench.engines.ar_step_profile --device cuda --out "$OUT/$TABLE/ar_profile/ar_profile.json" \
       ${PROFILE_ARGS:---target random:llama-8b --batch-sizes 1,16,64} 2>&1 | tee "$OUT/$TABLE/ar_profile.log" | grep -E "AR_PROFILE|Error" | tail -20
+fi
+if [ -n "${DRAFT_CALLS:-}" ]; then   # what one vLLM draft call costs: engine steps, add_request, step ms
+  timeout "${DRAFT_CALLS_TIMEOUT:-300}" python3 -m bench.engines.draft_calls --device cuda --out-dir "$OUT/$TABLE/draft_calls" \
+      ${DRAFT_CALLS_ARGS:---draft random:qwen3-0.6b --rows 1,4,16,32 --max-model-len 1024} 2>&1 \
+      | tee "$OUT/$TABLE/draft_calls.log" | grep -E "DRAFT_CALLS|Error" | tail -20
 fi
 [ -z "${SMOKE_ONLY:-}" ] || exit 0
 left() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
