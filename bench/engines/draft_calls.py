@@ -16,6 +16,7 @@ to ``--out-dir``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -23,7 +24,6 @@ import sys
 import time
 
 SETUPS = ("drafting", "vllm-default")
-VLLM_BLOCK_SIZE = {"cpu": 128, "cuda": 16}
 
 
 def _parse(argv):
@@ -73,24 +73,15 @@ class _Timed:
 
 
 def _config(a, setup: str, model: str, load_format: str, max_num_seqs: int):
-    from specdec.vllm_backend.engine import VllmEngineConfig
+    from specdec.vllm_backend.engine import VLLM_BLOCK_SIZE, VllmEngineConfig
 
     cfg = VllmEngineConfig(model=model, load_format=load_format, device=a.device, dtype=a.dtype,
                            max_num_seqs=max_num_seqs, max_model_len=a.max_model_len,
                            enforce_eager=a.enforce_eager, gpu_memory_utilization=0.2,
                            kv_cache_space_gib=a.kv_cache_space_gib)
     if setup == "vllm-default":
-        return VllmEngineConfig(**{**cfg.__dict__, "block_size": VLLM_BLOCK_SIZE[a.device],
-                                   "max_num_batched_tokens": cfg.batched_tokens})
+        return dataclasses.replace(cfg, block_size=VLLM_BLOCK_SIZE[a.device], max_num_batched_tokens=cfg.batched_tokens)
     return cfg
-
-
-def _allow_another_capture() -> None:
-    """Lift vLLM's guard against CUDA graph captures after an engine of this process captured
-    its own (``bench.engines.vllm_backend_smoke`` does the same: one engine per set-up here)."""
-    from vllm.compilation import monitor
-
-    monitor.set_cudagraph_capturing_enabled(True)
 
 
 def _measure(a, worker, timed: _Timed, n: int, seed: int) -> dict:
@@ -137,13 +128,14 @@ def _markdown(rows: list[dict], meta: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parse(argv)
+    from bench.engines.vllm_backend_smoke import allow_another_capture
     from specdec.vllm_backend.draft import VllmDraftWorker
     from specdec.vllm_backend.models import resolve_vllm_model
 
     model, load_format = resolve_vllm_model(a.draft)
     workers = {}   # all kept: a collected engine tears down vLLM's process-wide groups
     for setup in a.setups:
-        _allow_another_capture()
+        allow_another_capture()
         workers[setup] = VllmDraftWorker(_config(a, setup, model, load_format, max(a.rows)), seed=0)
     timers = {setup: _Timed(worker.engine) for setup, worker in workers.items()}
     rows = []

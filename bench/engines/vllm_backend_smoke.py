@@ -81,7 +81,7 @@ def _decode_all(target, prompts, n_tokens: int, calls: _Calls, name: str, num_st
     return out
 
 
-def _allow_another_capture() -> None:
+def allow_another_capture() -> None:
     """vLLM forbids CUDA graph captures once an engine of the process has captured its own (a
     guard against captures during inference); the engine services build one engine per process,
     this script builds several, so it lifts the guard before each further build."""
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     is_async = a.device == "cuda"
     target = VllmTargetWorker(VllmEngineConfig(model=target_dir, load_format=fmt, num_speculative_tokens=a.k, **common))
-    _allow_another_capture()
+    allow_another_capture()
     draft = VllmDraftWorker(VllmEngineConfig(model=draft_dir, load_format=draft_fmt, **common))
     build_s = time.perf_counter() - t0
     rng = random.Random(0)
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     print("SMOKE_SD", json.dumps({**result, **{f"{k}_ms_mean": sum(v) / len(v) for k, v in calls.ms.items()}}),
           flush=True)
     if a.ar_decode_steps:
-        _allow_another_capture()
+        allow_another_capture()
         ar_engine = VllmTargetWorker(VllmEngineConfig(model=target_dir, load_format=fmt, async_scheduling=is_async, **common))
         one = _decode_all(ar_engine, prompts, a.num_tokens, calls, "ar_1step")
         many = _decode_all(ar_engine, prompts, a.num_tokens, calls, "ar_multistep", a.ar_decode_steps)

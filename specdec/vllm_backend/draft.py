@@ -24,16 +24,16 @@ stays lossless (``specdec.sample.rejection``).
 
 from __future__ import annotations
 
-import dataclasses
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specdec.engine.draft_worker import merge_committed
 from specdec.engine_api import EngineFacts
 from specdec.errors import CapacityError
 from specdec.sample.sampling import SamplingParams
 from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
-from specdec.vllm_backend.engine import VllmEngineConfig, build_engine, drain, refusals_as_value_errors, to_vllm_sampling
+from specdec.vllm_backend.engine import (VLLM_BLOCK_SIZE, VllmEngineConfig, build_engine, drain,
+                                         refusals_as_value_errors, to_vllm_sampling)
 from specdec.vllm_backend.outputs import collect_step, engine_facts
 from specdec.engine.worker_base import DraftCapacityError
 
@@ -41,7 +41,6 @@ _SEED_BITS = 63
 _SEED_MIX = 0x9E3779B97F4A7C15   # golden-ratio constant: decorrelates per-call draft seeds
 MAX_DRAFT_STEPS_SLACK = 64       # engine steps beyond k allowed for chunked catch-ups
 DRAFT_BLOCK_SIZE = {"cpu": 32}   # KV block tokens on CPU: the smallest vLLM's CPU attention takes
-VLLM_CUDA_BLOCK_SIZE = 16        # vLLM's default on CUDA (left to vLLM)
 CATCH_UP_NEW_TOKENS = 16         # committed tokens per row and call the step budget holds (k <= 15)
 
 
@@ -51,9 +50,9 @@ def drafting_config(cfg: VllmEngineConfig) -> VllmEngineConfig:
     row; vLLM's CPU default is 128), and ``max_num_batched_tokens`` at least ``max_num_seqs x
     (block_size + CATCH_UP_NEW_TOKENS)``, so every row's catch-up fits the call's first step."""
     block = cfg.block_size or DRAFT_BLOCK_SIZE.get(cfg.device)
-    per_row = (block or VLLM_CUDA_BLOCK_SIZE) + CATCH_UP_NEW_TOKENS
+    per_row = (block or VLLM_BLOCK_SIZE[cfg.device]) + CATCH_UP_NEW_TOKENS
     budget = cfg.max_num_batched_tokens or max(cfg.batched_tokens, cfg.max_num_seqs * per_row)
-    return dataclasses.replace(cfg, block_size=block, max_num_batched_tokens=budget)
+    return replace(cfg, block_size=block, max_num_batched_tokens=budget)
 
 
 @dataclass

@@ -42,6 +42,7 @@ ENV_DEFAULTS = {
     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
 }
 CUDA_ENV_DEFAULTS = {"VLLM_ATTENTION_BACKEND": "FLASH_ATTN"}   # vLLM's bundled flash-attention (GPU host)
+VLLM_BLOCK_SIZE = {"cpu": 128, "cuda": 16}   # vLLM's KV block tokens where block_size is left open
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,8 @@ class VllmEngineConfig:
         enable_prefix_caching: vLLM's automatic prefix caching (the drafter relies on it).
         max_num_batched_tokens: tokens per engine step (None: ``max(max_model_len,
             max_num_seqs * (k + 1))``, so one step holds a whole verify batch or a whole prompt).
-        block_size: tokens per paged KV-cache block (None: vLLM's platform default, 16 on CUDA,
-            128 on CPU; vLLM's CPU attention needs a multiple of 32).
+        block_size: tokens per paged KV-cache block (None: vLLM's platform default,
+            ``VLLM_BLOCK_SIZE``; vLLM's CPU attention needs a multiple of 32).
         seed: vLLM's global seed (requests carry their own seeds).
         async_scheduling: vLLM's async scheduling (step i + 1 scheduled while step i runs), for
             an engine without speculation (the drafter, and the verifier of ``ar``); vLLM's CPU
