@@ -7,8 +7,10 @@ on CPU and 16 on CUDA, and a step budget of ``max(max_model_len, max_num_seqs)``
 before session 20); then at each ``--rows`` n, the set-ups in turn: n requests with prompts of 8 + 5 i tokens are
 admitted, and ``--num-calls`` draft calls of k tokens follow, each after committing 1 to k + 1
 random tokens per row (the tokens a verify step commits). Per call: wall ms, engine steps, ms in
-``LLMEngine.add_request`` and in ``LLMEngine.step``. Writes ``results.json`` and ``results.md``
-to ``--out-dir``.
+``LLMEngine.add_request`` and in ``LLMEngine.step``, the first step's ms (the catch-up) and the
+later steps' (decode); beside them the floor, ms per step of vLLM's own decode loop on the same
+engine with n requests resident (what a drafter whose requests stayed in the engine would pay per
+draft token). Writes ``results.json`` and ``results.md`` to ``--out-dir``.
 
     python -m bench.engines.draft_calls --device cpu --dtype float32 --draft random:tiny-llama-hd64 \\
         --enforce-eager --rows 4,16,64 --out-dir bench/results/draft_calls_cpu
@@ -54,6 +56,9 @@ class _Timed:
     def __init__(self, engine) -> None:
         self.seconds = {"add_request": 0.0, "step": 0.0}
         self.calls = {"add_request": 0, "step": 0}
+        self.step_ms: list[float] = []   # each step's ms since the last ``reset`` / ``new_call``
+        self.first_step_ms: list[float] = []   # per call: its first step (the catch-up)
+        self.later_step_ms: list[float] = []   # per call: its other steps (decode)
         for name in self.seconds:
             setattr(engine, name, self._wrap(name, getattr(engine, name)))
 
@@ -63,13 +68,24 @@ class _Timed:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - t
+                seconds = time.perf_counter() - t
+                self.seconds[name] += seconds
                 self.calls[name] += 1
+                if name == "step":
+                    self.step_ms.append(seconds * 1e3)
         return timed
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(self.seconds, 0.0)
         self.calls = dict.fromkeys(self.calls, 0)
+        self.step_ms, self.first_step_ms, self.later_step_ms = [], [], []
+
+    def end_call(self) -> None:
+        """File the steps since the last call under first / later steps."""
+        if self.step_ms:
+            self.first_step_ms.append(self.step_ms[0])
+            self.later_step_ms += self.step_ms[1:]
+        self.step_ms = []
 
 
 def _config(a, setup: str, model: str, load_format: str, max_num_seqs: int):
@@ -100,10 +116,12 @@ def _measure(a, worker, timed: _Timed, n: int, seed: int) -> dict:
                 committed.append((start, seqs[rid][start:]))
             if call == a.num_warmup:
                 timed.reset()
+            timed.step_ms = []
             t = time.perf_counter()
             worker.draft(ids, committed, a.k)
             if call >= a.num_warmup:
                 ms.append((time.perf_counter() - t) * 1e3)
+                timed.end_call()
     finally:
         for rid in ids:
             worker.release(rid)
@@ -111,18 +129,49 @@ def _measure(a, worker, timed: _Timed, n: int, seed: int) -> dict:
     return {"rows": n, "k": a.k, "ms_per_call": sum(ms) / calls, "ms_per_call_min": min(ms),
             "steps_per_call": timed.calls["step"] / calls,
             "add_request_ms_per_call": timed.seconds["add_request"] * 1e3 / calls,
-            "step_ms_per_call": timed.seconds["step"] * 1e3 / calls}
+            "step_ms_per_call": timed.seconds["step"] * 1e3 / calls,
+            "first_step_ms": _mean(timed.first_step_ms), "later_step_ms": _mean(timed.later_step_ms),
+            "decode_step_ms": _decode_step_ms(a, worker.engine, n, rng)}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _decode_step_ms(a, engine, n: int, rng: random.Random) -> float:
+    """The floor a draft call's decode steps compare with: ms per step of vLLM's own loop with n
+    requests resident and decoding (greedy), steps after the prefill and ``--num-warmup`` x k."""
+    from specdec.sample.sampling import SamplingParams
+    from specdec.vllm_backend.engine import drain, to_vllm_sampling
+    from specdec.vllm_backend.outputs import collect_step
+
+    warmup, steps = a.num_warmup * a.k + 1, a.num_calls * a.k
+    params = to_vllm_sampling(SamplingParams(temperature=0.0, seed=0), warmup + steps, with_logprobs=False)
+    names = [f"floor-n{n}-r{i}" for i in range(n)]
+    for i, name in enumerate(names):
+        engine.add_request(name, {"prompt_token_ids": [rng.randrange(3, 1000) for _ in range(8 + 5 * i)]}, params)
+    pending, ms = set(names), []
+    while pending:
+        t = time.perf_counter()
+        outputs = collect_step(engine.step())
+        ms.append((time.perf_counter() - t) * 1e3)
+        pending -= {name for name, out in outputs.items() if out.finish_reason is not None}
+    drain(engine)
+    timed = ms[warmup:warmup + steps]
+    return _mean(timed)
 
 
 def _markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# Draft calls ({meta['device']}, {meta['dtype']}, {meta['draft']}, k = {meta['k']}, "
              f"{meta['num_calls']} calls per point)", "",
-             "| setup | block | step budget | rows | ms / call | engine steps / call | add_request ms | step ms |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| setup | block | step budget | rows | ms / call | engine steps / call | add_request ms | step ms "
+             "| first step ms | later steps ms | vLLM decode step ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['setup']} | {r['block_size']} | {r['max_num_batched_tokens']} | {r['rows']} | "
                      f"{r['ms_per_call']:.1f} | {r['steps_per_call']:.2f} | {r['add_request_ms_per_call']:.1f} | "
-                     f"{r['step_ms_per_call']:.1f} |")
+                     f"{r['step_ms_per_call']:.1f} | {r['first_step_ms']:.2f} | {r['later_step_ms']:.2f} | "
+                     f"{r['decode_step_ms']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
