@@ -2,9 +2,11 @@
 engine set-up, side by side in one process.
 
 A draft engine is built for each ``--setups`` entry (``drafting``: ``drafting_config``'s block
-size and step budget, the drafter's default; ``vllm-default``: vLLM's platform block size, 128
-on CPU and 16 on CUDA, and a step budget of ``max(max_model_len, max_num_seqs)``, the drafter
-before session 20); then at each ``--rows`` n, the set-ups in turn: n requests with prompts of 8 + 5 i tokens are
+size, step budget and CUDA-graph sizes, the drafter's default; ``drafting-full``: the same with
+``cudagraph_mode`` FULL, whole CUDA graphs for the catch-up step too; ``vllm-default``: vLLM's
+platform block size, 128 on CPU and 16 on CUDA, a step budget of ``max(max_model_len,
+max_num_seqs)`` and CUDA graphs up to ``2 x max_num_seqs`` tokens, the drafter before session
+20); then at each ``--rows`` n, the set-ups in turn: n requests with prompts of 8 + 5 i tokens are
 admitted, and ``--num-calls`` draft calls of k tokens follow, each after committing 1 to k + 1
 random tokens per row (the tokens a verify step commits). Per call: wall ms, engine steps, ms in
 ``LLMEngine.add_request`` and in ``LLMEngine.step``, the first step's ms (the catch-up) and the
@@ -25,7 +27,7 @@ import random
 import sys
 import time
 
-SETUPS = ("drafting", "vllm-default")
+SETUPS = ("drafting", "drafting-full", "vllm-default")
 
 
 def _parse(argv):
@@ -39,7 +41,8 @@ def _parse(argv):
     p.add_argument("--num-warmup", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--kv-cache-space-gib", type=float, default=1.0, help="CPU: the KV cache's size")
-    p.add_argument("--setups", default=",".join(SETUPS))
+    p.add_argument("--setups", default="drafting,vllm-default", help=f"comma-separated, from {SETUPS} "
+                   "(drafting-full: CUDA only)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--out-dir", required=True)
     a = p.parse_args(argv)
@@ -96,7 +99,11 @@ def _config(a, setup: str, model: str, load_format: str, max_num_seqs: int):
                            enforce_eager=a.enforce_eager, gpu_memory_utilization=0.2,
                            kv_cache_space_gib=a.kv_cache_space_gib)
     if setup == "vllm-default":
-        return dataclasses.replace(cfg, block_size=VLLM_BLOCK_SIZE[a.device], max_num_batched_tokens=cfg.batched_tokens)
+        graphs = min(2 * max_num_seqs, 512) if a.device == "cuda" else None   # vLLM's default without speculation
+        return dataclasses.replace(cfg, block_size=VLLM_BLOCK_SIZE[a.device], max_num_batched_tokens=cfg.batched_tokens,
+                                   max_cudagraph_capture_size=graphs)
+    if setup == "drafting-full":
+        return dataclasses.replace(cfg, cudagraph_mode="FULL")
     return cfg
 
 
@@ -164,11 +171,12 @@ def _decode_step_ms(a, engine, n: int, rng: random.Random) -> float:
 def _markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# Draft calls ({meta['device']}, {meta['dtype']}, {meta['draft']}, k = {meta['k']}, "
              f"{meta['num_calls']} calls per point)", "",
-             "| setup | block | step budget | rows | ms / call | engine steps / call | add_request ms | step ms "
+             "| setup | engine start s | block | step budget | graphs up to | rows | ms / call | engine steps / call | add_request ms | step ms "
              "| first step ms | later steps ms | vLLM decode step ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['setup']} | {r['block_size']} | {r['max_num_batched_tokens']} | {r['rows']} | "
+        lines.append(f"| {r['setup']} | {r['engine_start_s']:.1f} | {r['block_size']} | {r['max_num_batched_tokens']} | "
+                     f"{r['max_cudagraph_capture_size']} | {r['rows']} | "
                      f"{r['ms_per_call']:.1f} | {r['steps_per_call']:.2f} | {r['add_request_ms_per_call']:.1f} | "
                      f"{r['step_ms_per_call']:.1f} | {r['first_step_ms']:.2f} | {r['later_step_ms']:.2f} | "
                      f"{r['decode_step_ms']:.2f} |")
@@ -182,17 +190,25 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.vllm_backend.models import resolve_vllm_model
 
     model, load_format = resolve_vllm_model(a.draft)
-    workers = {}   # all kept: a collected engine tears down vLLM's process-wide groups
+    workers, start_s, failures = {}, {}, {}   # all kept: a collected engine tears down vLLM's process-wide groups
     for setup in a.setups:
         allow_another_capture()
-        workers[setup] = VllmDraftWorker(_config(a, setup, model, load_format, max(a.rows)), seed=0)
+        t = time.perf_counter()
+        try:
+            workers[setup] = VllmDraftWorker(_config(a, setup, model, load_format, max(a.rows)), seed=0)
+        except Exception as exc:   # a set-up vLLM refuses (e.g. a CUDA-graph mode) is reported, the others run
+            failures[setup] = f"{type(exc).__name__}: {exc}"
+            print("DRAFT_CALLS failed", setup, failures[setup], flush=True)
+            continue
+        start_s[setup] = time.perf_counter() - t
     timers = {setup: _Timed(worker.engine) for setup, worker in workers.items()}
     rows = []
     for n in a.rows:   # the set-ups take turns at each point, so neither gets the process's warm-up
         for setup, worker in workers.items():
             vllm_cfg = worker.engine.vllm_config
-            rows.append({"setup": setup, "block_size": vllm_cfg.cache_config.block_size,
+            rows.append({"setup": setup, "engine_start_s": start_s[setup], "block_size": vllm_cfg.cache_config.block_size,
                          "max_num_batched_tokens": vllm_cfg.scheduler_config.max_num_batched_tokens,
+                         "max_cudagraph_capture_size": vllm_cfg.compilation_config.max_cudagraph_capture_size,
                          **_measure(a, worker, timers[setup], n, seed=n)})
             print("DRAFT_CALLS", json.dumps(rows[-1]), flush=True)
     meta = {"command": "python -m bench.engines.draft_calls " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -201,10 +217,10 @@ def main(argv: list[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     os.makedirs(a.out_dir, exist_ok=True)
     with open(os.path.join(a.out_dir, "results.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        json.dump({"meta": meta, "rows": rows, "failures": failures}, f, indent=1)
     with open(os.path.join(a.out_dir, "results.md"), "w") as f:
-        f.write(_markdown(rows, meta))
-    return 0
+        f.write(_markdown(rows, meta) + "".join(f"\nFailed: {name}: {why}\n" for name, why in failures.items()))
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ ENV_DEFAULTS = {
 }
 CUDA_ENV_DEFAULTS = {"VLLM_ATTENTION_BACKEND": "FLASH_ATTN"}   # vLLM's bundled flash-attention (GPU host)
 VLLM_BLOCK_SIZE = {"cpu": 128, "cuda": 16}   # vLLM's KV block tokens where block_size is left open
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")   # vLLM's CUDAGraphMode
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,12 @@ class VllmEngineConfig:
             max_num_seqs * (k + 1))``, so one step holds a whole verify batch or a whole prompt).
         block_size: tokens per paged KV-cache block (None: vLLM's platform default,
             ``VLLM_BLOCK_SIZE``; vLLM's CPU attention needs a multiple of 32).
+        max_cudagraph_capture_size: CUDA: the largest step (tokens) vLLM captures CUDA graphs for;
+            a larger step runs without graphs (None: vLLM's default, ``min(max_num_seqs x (k + 1)
+            x 2, 512)``).
+        cudagraph_mode: CUDA: vLLM's ``compilation_config.cudagraph_mode`` (e.g. ``FULL``: whole
+            graphs for mixed prefill + decode steps too, where the attention backend allows;
+            None: vLLM's default, ``FULL_AND_PIECEWISE``).
         seed: vLLM's global seed (requests carry their own seeds).
         async_scheduling: vLLM's async scheduling (step i + 1 scheduled while step i runs), for
             an engine without speculation (the drafter, and the verifier of ``ar``); vLLM's CPU
@@ -90,6 +97,8 @@ class VllmEngineConfig:
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int | None = None
     block_size: int | None = None
+    max_cudagraph_capture_size: int | None = None
+    cudagraph_mode: str | None = None
     seed: int = 0
     async_scheduling: bool = False
 
@@ -112,6 +121,10 @@ class VllmEngineConfig:
             "max_num_batched_tokens": (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
                                        "must be >= 1"),
             "block_size": (self.block_size is None or self.block_size >= 1, "must be >= 1"),
+            "max_cudagraph_capture_size": (self.max_cudagraph_capture_size is None
+                                           or self.max_cudagraph_capture_size >= 1, "must be >= 1"),
+            "cudagraph_mode": (self.cudagraph_mode in (None,) + CUDAGRAPH_MODES,
+                               f"must be one of {CUDAGRAPH_MODES}"),
             "async_scheduling": (not self.async_scheduling or self.num_speculative_tokens == 0,
                                  "needs num_speculative_tokens 0 (verify steps are one per call)"),
         }
@@ -124,6 +137,11 @@ class VllmEngineConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return max(self.max_model_len, self.max_num_seqs * (self.num_speculative_tokens + 1))
+
+    def compilation_config(self) -> dict:
+        """The ``compilation_config`` entries set here (empty: vLLM's defaults)."""
+        config = {"max_cudagraph_capture_size": self.max_cudagraph_capture_size, "cudagraph_mode": self.cudagraph_mode}
+        return {name: value for name, value in config.items() if value is not None}
 
     def speculative_config(self) -> dict | None:
         """vLLM's ``speculative_config`` (None without speculation)."""
@@ -161,6 +179,7 @@ def build_engine(cfg: VllmEngineConfig):
         scheduler_cls=ASYNC_SCHEDULER_CLS if cfg.async_scheduling else SCHEDULER_CLS,
         speculative_config=cfg.speculative_config(), async_scheduling=cfg.async_scheduling, disable_log_stats=True,
         **({"block_size": cfg.block_size} if cfg.block_size is not None else {}),
+        **({"compilation_config": cfg.compilation_config()} if cfg.compilation_config() else {}),
         **({"gpu_memory_utilization": cfg.gpu_memory_utilization} if cfg.device == "cuda"
            else {"kv_cache_memory_bytes": int(cfg.kv_cache_space_gib * 2**30)}))
     engine = LLMEngine.from_engine_args(args)

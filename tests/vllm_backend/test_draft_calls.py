@@ -18,7 +18,7 @@ def test_both_setups_run_and_only_the_drafting_one_takes_k_steps_per_call(tmp_pa
                              "--max-model-len", "256", "--out-dir", str(tmp_path / "out")]) == 0
     result = json.loads((tmp_path / "out" / "results.json").read_text())
     points = {(r["setup"], r["rows"]): r for r in result["rows"]}
-    assert set(points) == {(s, n) for s in draft_calls.SETUPS for n in (2, 24)}
+    assert set(points) == {(s, n) for s in ("drafting", "vllm-default") for n in (2, 24)}
     assert [points["drafting", n]["steps_per_call"] for n in (2, 24)] == [3.0, 3.0]
     assert points["vllm-default", 24]["block_size"] == 128 and points["vllm-default", 24]["steps_per_call"] > 3
     assert all(r["ms_per_call"] > 0 and r["add_request_ms_per_call"] > 0 for r in result["rows"])
@@ -26,4 +26,4 @@ def test_both_setups_run_and_only_the_drafting_one_takes_k_steps_per_call(tmp_pa
         assert r["first_step_ms"] > 0 and r["later_step_ms"] > 0 and r["decode_step_ms"] > 0
         assert r["first_step_ms"] + (r["steps_per_call"] - 1) * r["later_step_ms"] == pytest.approx(r["step_ms_per_call"])
         assert r["step_ms_per_call"] <= r["ms_per_call"]
-    assert "| drafting | 32 |" in (tmp_path / "out" / "results.md").read_text()
+    assert "| 32 | 1152 | None | 24 |" in (tmp_path / "out" / "results.md").read_text()

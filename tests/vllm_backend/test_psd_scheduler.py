@@ -398,17 +398,22 @@ def test_draft_calls_take_k_engine_steps_while_every_row_catches_up(drafter, mon
             drafter.release(rid)
 
 
-def test_drafting_config_fills_block_size_and_step_budget_only_where_left_open(models):
+def test_drafting_config_fills_block_size_step_budget_and_graph_sizes_only_where_left_open(models):
     cpu = drafting_config(_cfg(models[1], max_num_seqs=64))
     assert cpu.block_size == 32 and cpu.max_num_batched_tokens == 64 * (32 + CATCH_UP_NEW_TOKENS)
+    assert cpu.max_cudagraph_capture_size is None and cpu.compilation_config() == {}   # no CUDA graphs on CPU
     cuda = drafting_config(_cfg(models[1], device="cuda", max_num_seqs=4, max_model_len=2048))
     assert cuda.block_size is None and cuda.max_num_batched_tokens == 2048   # vLLM's 16; max_model_len is more
+    assert cuda.compilation_config() == {"max_cudagraph_capture_size": 4 * (16 + CATCH_UP_NEW_TOKENS)}
     wide = drafting_config(_cfg(models[1], device="cuda", max_num_seqs=256, max_model_len=2048))
-    assert wide.max_num_batched_tokens == 256 * (16 + CATCH_UP_NEW_TOKENS)
+    assert wide.max_num_batched_tokens == wide.max_cudagraph_capture_size == 256 * (16 + CATCH_UP_NEW_TOKENS)
     mine = drafting_config(_cfg(models[1], block_size=64, max_num_batched_tokens=100))
     assert (mine.block_size, mine.max_num_batched_tokens) == (64, 100)
-    with pytest.raises(ValueError, match="block_size"):
-        VllmEngineConfig(model=models[1], block_size=0)
+    mine = drafting_config(_cfg(models[1], device="cuda", max_cudagraph_capture_size=8, cudagraph_mode="FULL"))
+    assert mine.compilation_config() == {"max_cudagraph_capture_size": 8, "cudagraph_mode": "FULL"}
+    for bad in ({"block_size": 0}, {"max_cudagraph_capture_size": 0}, {"cudagraph_mode": "full"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            VllmEngineConfig(model=models[1], **bad)
 
 
 def test_draft_capacity_error_changes_nothing_and_unknown_ids_raise(drafter):
