@@ -2,11 +2,12 @@
 engine set-up, side by side in one process.
 
 A draft engine is built for each ``--setups`` entry (``drafting``: ``drafting_config``'s block
-size, step budget and CUDA-graph sizes, the drafter's default; ``drafting-full``: the same with
-``cudagraph_mode`` FULL, whole CUDA graphs for the catch-up step too; ``vllm-default``: vLLM's
-platform block size, 128 on CPU and 16 on CUDA, a step budget of ``max(max_model_len,
-max_num_seqs)`` and CUDA graphs up to ``2 x max_num_seqs`` tokens, the drafter before session
-20); then at each ``--rows`` n, the set-ups in turn: n requests with prompts of 8 + 5 i tokens are
+size, step budget and CUDA graphs, the drafter's default: whole graphs, FULL, up to the catch-up
+step's size; ``drafting-piecewise``: the same sizes with vLLM's default ``cudagraph_mode``
+FULL_AND_PIECEWISE, piecewise graphs for the catch-up step; ``vllm-default``: vLLM's platform
+block size, 128 on CPU and 16 on CUDA, a step budget of ``max(max_model_len, max_num_seqs)`` and
+its default graphs, FULL_AND_PIECEWISE up to ``2 x max_num_seqs`` tokens, the drafter before
+session 20); then at each ``--rows`` n, the set-ups in turn: n requests with prompts of 8 + 5 i tokens are
 admitted, and ``--num-calls`` draft calls of k tokens follow, each after committing 1 to k + 1
 random tokens per row (the tokens a verify step commits). Per call: wall ms, engine steps, ms in
 ``LLMEngine.add_request`` and in ``LLMEngine.step``, the first step's ms (the catch-up) and the
@@ -27,7 +28,7 @@ import random
 import sys
 import time
 
-SETUPS = ("drafting", "drafting-full", "vllm-default")
+SETUPS = ("drafting", "drafting-piecewise", "vllm-default")
 
 
 def _parse(argv):
@@ -42,7 +43,7 @@ def _parse(argv):
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--kv-cache-space-gib", type=float, default=1.0, help="CPU: the KV cache's size")
     p.add_argument("--setups", default="drafting,vllm-default", help=f"comma-separated, from {SETUPS} "
-                   "(drafting-full: CUDA only)")
+                   "(drafting-piecewise: CUDA only)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--out-dir", required=True)
     a = p.parse_args(argv)
@@ -99,11 +100,12 @@ def _config(a, setup: str, model: str, load_format: str, max_num_seqs: int):
                            enforce_eager=a.enforce_eager, gpu_memory_utilization=0.2,
                            kv_cache_space_gib=a.kv_cache_space_gib)
     if setup == "vllm-default":
-        graphs = min(2 * max_num_seqs, 512) if a.device == "cuda" else None   # vLLM's default without speculation
+        graphs = min(2 * max_num_seqs, 512) if a.device == "cuda" else None   # vLLM's defaults without speculation
+        vllm_mode = "FULL_AND_PIECEWISE" if a.device == "cuda" else None
         return dataclasses.replace(cfg, block_size=VLLM_BLOCK_SIZE[a.device], max_num_batched_tokens=cfg.batched_tokens,
-                                   max_cudagraph_capture_size=graphs)
-    if setup == "drafting-full":
-        return dataclasses.replace(cfg, cudagraph_mode="FULL")
+                                   max_cudagraph_capture_size=graphs, cudagraph_mode=vllm_mode)
+    if setup == "drafting-piecewise":
+        return dataclasses.replace(cfg, cudagraph_mode="FULL_AND_PIECEWISE")
     return cfg
 
 

@@ -44,7 +44,7 @@ if [ -n "${PROFILE:-}" ]; then   # where ours `ar` step goes against vLLM's own 
 fi
 if [ -n "${DRAFT_CALLS:-}" ]; then   # what one vLLM draft call costs: engine steps, add_request, step ms
   timeout "${DRAFT_CALLS_TIMEOUT:-300}" python3 -m bench.engines.draft_calls --device cuda --out-dir "$OUT/$TABLE/draft_calls" \
-      ${DRAFT_CALLS_ARGS:---draft random:qwen3-0.6b --rows 1,4,16,32 --max-model-len 1024} 2>&1 \
+      ${DRAFT_CALLS_ARGS:---draft random:qwen3-0.6b --rows 1,8,16,32 --max-model-len 1024 --setups drafting,drafting-piecewise,vllm-default} 2>&1 \
       | tee "$OUT/$TABLE/draft_calls.log" | grep -E "DRAFT_CALLS|Error" | tail -20
 fi
 [ -z "${SMOKE_ONLY:-}" ] || exit 0

@@ -14,7 +14,7 @@ before the request's first draft. So that each call takes k_i engine steps, the 
 by ``drafting_config``: KV blocks of 32 tokens on CPU (vLLM's CPU default of 128 made every
 catch-up recompute up to 127 tokens a row, and 16 rows' catch-ups overflowed one step's token
 budget: 5.7 steps per k = 4 call, 4.0 after), a step budget that holds every row's catch-up,
-and on CUDA graphs captured up to that step size (the catch-up step ran without them).
+and on CUDA whole CUDA graphs captured up to that step size (the catch-up step ran without them).
 
 Draft tokens are sampled with the request's temperature / top-k / top-p / min-p; a seeded
 request gets a seed per draft call derived from its seed and its committed length, so a seeded
@@ -42,6 +42,7 @@ _SEED_BITS = 63
 _SEED_MIX = 0x9E3779B97F4A7C15   # golden-ratio constant: decorrelates per-call draft seeds
 MAX_DRAFT_STEPS_SLACK = 64       # engine steps beyond k allowed for chunked catch-ups
 DRAFT_BLOCK_SIZE = {"cpu": 32}   # KV block tokens on CPU: the smallest vLLM's CPU attention takes
+DRAFT_CUDAGRAPH_MODE = "FULL"    # CUDA: whole graphs for the catch-up step as for decode steps
 CATCH_UP_NEW_TOKENS = 16         # committed tokens per row and call the step budget holds (k <= 15)
 
 
@@ -50,15 +51,21 @@ def drafting_config(cfg: VllmEngineConfig) -> VllmEngineConfig:
     32 (a catch-up recomputes the uncached part of the last block, up to block_size - 1 tokens a
     row; vLLM's CPU default is 128), ``max_num_batched_tokens`` at least ``max_num_seqs x
     (block_size + CATCH_UP_NEW_TOKENS)``, so every row's catch-up fits the call's first step, and
-    on CUDA ``max_cudagraph_capture_size`` that many tokens, so the catch-up step runs on CUDA
-    graphs too (vLLM's default, ``2 x max_num_seqs`` tokens for an engine without speculation,
-    left a catch-up of 8 or more rows without graphs: 19-23 ms against 2.4-3.7 ms per decode step
-    for a Qwen3-0.6B shape on the H200, ``bench.engines.draft_calls``)."""
+    on CUDA whole CUDA graphs (``cudagraph_mode`` FULL; vLLM falls back to FULL_AND_PIECEWISE
+    where the attention backend cannot) up to that many tokens (``max_cudagraph_capture_size``),
+    so the catch-up step, a mixed prefill + decode step, runs on graphs too. vLLM's defaults
+    (graphs up to ``2 x max_num_seqs`` tokens for an engine without speculation, piecewise for
+    mixed steps) left it at 21-30 ms against 2.7-3.9 ms per decode step at 8-32 rows for a
+    Qwen3-0.6B shape on the H200; FULL graphs up to the catch-up size: 4.2-7.4 ms
+    (``bench.engines.draft_calls``, BENCHMARKS.md session 21)."""
     block = cfg.block_size or DRAFT_BLOCK_SIZE.get(cfg.device)
     catch_up = cfg.max_num_seqs * ((block or VLLM_BLOCK_SIZE[cfg.device]) + CATCH_UP_NEW_TOKENS)
     budget = cfg.max_num_batched_tokens or max(cfg.batched_tokens, catch_up)
-    graphs = cfg.max_cudagraph_capture_size or (min(budget, catch_up) if cfg.device == "cuda" else None)
-    return replace(cfg, block_size=block, max_num_batched_tokens=budget, max_cudagraph_capture_size=graphs)
+    on_cuda = cfg.device == "cuda"
+    graphs = cfg.max_cudagraph_capture_size or (min(budget, catch_up) if on_cuda else None)
+    mode = cfg.cudagraph_mode or (DRAFT_CUDAGRAPH_MODE if on_cuda else None)
+    return replace(cfg, block_size=block, max_num_batched_tokens=budget, max_cudagraph_capture_size=graphs,
+                   cudagraph_mode=mode)
 
 
 @dataclass

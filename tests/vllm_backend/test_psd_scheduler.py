@@ -404,13 +404,14 @@ def test_drafting_config_fills_block_size_step_budget_and_graph_sizes_only_where
     assert cpu.max_cudagraph_capture_size is None and cpu.compilation_config() == {}   # no CUDA graphs on CPU
     cuda = drafting_config(_cfg(models[1], device="cuda", max_num_seqs=4, max_model_len=2048))
     assert cuda.block_size is None and cuda.max_num_batched_tokens == 2048   # vLLM's 16; max_model_len is more
-    assert cuda.compilation_config() == {"max_cudagraph_capture_size": 4 * (16 + CATCH_UP_NEW_TOKENS)}
+    assert cuda.compilation_config() == {"max_cudagraph_capture_size": 4 * (16 + CATCH_UP_NEW_TOKENS),
+                                         "cudagraph_mode": "FULL"}
     wide = drafting_config(_cfg(models[1], device="cuda", max_num_seqs=256, max_model_len=2048))
     assert wide.max_num_batched_tokens == wide.max_cudagraph_capture_size == 256 * (16 + CATCH_UP_NEW_TOKENS)
     mine = drafting_config(_cfg(models[1], block_size=64, max_num_batched_tokens=100))
     assert (mine.block_size, mine.max_num_batched_tokens) == (64, 100)
-    mine = drafting_config(_cfg(models[1], device="cuda", max_cudagraph_capture_size=8, cudagraph_mode="FULL"))
-    assert mine.compilation_config() == {"max_cudagraph_capture_size": 8, "cudagraph_mode": "FULL"}
+    mine = drafting_config(_cfg(models[1], device="cuda", max_cudagraph_capture_size=8, cudagraph_mode="PIECEWISE"))
+    assert mine.compilation_config() == {"max_cudagraph_capture_size": 8, "cudagraph_mode": "PIECEWISE"}
     for bad in ({"block_size": 0}, {"max_cudagraph_capture_size": 0}, {"cudagraph_mode": "full"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             VllmEngineConfig(model=models[1], **bad)
