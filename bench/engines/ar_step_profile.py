@@ -76,8 +76,8 @@ def _vllm_loop(engine, prompts, num_tokens: int, with_logprob: bool) -> tuple[fl
     from specdec.vllm_backend.scheduler import PsdStep
 
     scheduler_of(engine).set_step(None)
-    params = to_vllm_sampling(SamplingParams(temperature=0.0, seed=0), num_tokens + 1, with_logprobs=with_logprob)
-    for rid, prompt in prompts.items():
+    for rid, prompt in prompts.items():   # one params object per request (to_vllm_sampling's skip_clone)
+        params = to_vllm_sampling(SamplingParams(temperature=0.0, seed=0), num_tokens + 1, with_logprobs=with_logprob)
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
     out: dict[str, list[int]] = {rid: [] for rid in prompts}
     t_first = None

@@ -155,9 +155,9 @@ def _decode_step_ms(a, engine, n: int, rng: random.Random) -> float:
     from specdec.vllm_backend.outputs import collect_step
 
     warmup, steps = a.num_warmup * a.k + 1, a.num_calls * a.k
-    params = to_vllm_sampling(SamplingParams(temperature=0.0, seed=0), warmup + steps, with_logprobs=False)
     names = [f"floor-n{n}-r{i}" for i in range(n)]
-    for i, name in enumerate(names):
+    for i, name in enumerate(names):   # one params object per request (to_vllm_sampling's skip_clone)
+        params = to_vllm_sampling(SamplingParams(temperature=0.0, seed=0), warmup + steps, with_logprobs=False)
         engine.add_request(name, {"prompt_token_ids": [rng.randrange(3, 1000) for _ in range(8 + 5 * i)]}, params)
     pending, ms = set(names), []
     while pending:

@@ -486,3 +486,13 @@ def test_kv_cache_below_max_num_seqs_times_max_model_len_is_refused(models):
         build_engine(VllmEngineConfig(model=models[0], max_num_seqs=64, max_model_len=MAX_LEN, enforce_eager=True,
                                       kv_cache_space_gib=1 / 1024))
 
+
+
+def test_request_params_are_dedicated_so_vllms_input_processing_skips_their_deep_copy(monkeypatch):
+    first, second = to_vllm_sampling(GREEDY, 4), to_vllm_sampling(GREEDY, 4)
+    assert first is not second and first.skip_clone and second.skip_clone
+    deep_copies = []
+    real_deepcopy = copy.deepcopy
+    monkeypatch.setattr(copy, "deepcopy", lambda *a, **kw: deep_copies.append(a) or real_deepcopy(*a, **kw))
+    clone = first.clone()   # what vLLM's InputProcessor.process_inputs calls per request
+    assert deep_copies == [] and clone.max_tokens == 4 and clone.temperature == 0.0
