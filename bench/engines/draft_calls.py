@@ -60,7 +60,7 @@ class _Timed:
     def __init__(self, engine) -> None:
         self.seconds = {"add_request": 0.0, "step": 0.0}
         self.calls = {"add_request": 0, "step": 0}
-        self.step_ms: list[float] = []   # each step's ms since the last ``reset`` / ``new_call``
+        self.step_ms: list[float] = []   # each step's ms since the last ``reset`` / ``end_call``
         self.first_step_ms: list[float] = []   # per call: its first step (the catch-up)
         self.later_step_ms: list[float] = []   # per call: its other steps (decode)
         for name in self.seconds:
