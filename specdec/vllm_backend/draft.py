@@ -43,6 +43,7 @@ _SEED_MIX = 0x9E3779B97F4A7C15   # golden-ratio constant: decorrelates per-call 
 MAX_DRAFT_STEPS_SLACK = 64       # engine steps beyond k allowed for chunked catch-ups
 DRAFT_BLOCK_SIZE = {"cpu": 32}   # KV block tokens on CPU: the smallest vLLM's CPU attention takes
 DRAFT_CUDAGRAPH_MODE = "FULL"    # CUDA: whole graphs for the catch-up step as for decode steps
+MAX_DRAFT_GRAPH_TOKENS = 1024   # CUDA: the largest graphed step: a typical catch-up (~12 tokens a row) of 85 rows
 CATCH_UP_NEW_TOKENS = 16         # committed tokens per row and call the step budget holds (k <= 15)
 
 
@@ -52,8 +53,9 @@ def drafting_config(cfg: VllmEngineConfig) -> VllmEngineConfig:
     row; vLLM's CPU default is 128), ``max_num_batched_tokens`` at least ``max_num_seqs x
     (block_size + CATCH_UP_NEW_TOKENS)``, so every row's catch-up fits the call's first step, and
     on CUDA whole CUDA graphs (``cudagraph_mode`` FULL; vLLM falls back to FULL_AND_PIECEWISE
-    where the attention backend cannot) up to that many tokens (``max_cudagraph_capture_size``),
-    so the catch-up step, a mixed prefill + decode step, runs on graphs too. vLLM's defaults
+    where the attention backend cannot) up to that many tokens, at most ``MAX_DRAFT_GRAPH_TOKENS``
+    (``max_cudagraph_capture_size``; each size is one graph captured at start-up), so the catch-up
+    step, a mixed prefill + decode step, runs on graphs too. vLLM's defaults
     (graphs up to ``2 x max_num_seqs`` tokens for an engine without speculation, piecewise for
     mixed steps) left it at 21-30 ms against 2.7-3.9 ms per decode step at 8-32 rows for a
     Qwen3-0.6B shape on the H200; FULL graphs up to the catch-up size: 4.2-7.4 ms
@@ -62,7 +64,7 @@ def drafting_config(cfg: VllmEngineConfig) -> VllmEngineConfig:
     catch_up = cfg.max_num_seqs * ((block or VLLM_BLOCK_SIZE[cfg.device]) + CATCH_UP_NEW_TOKENS)
     budget = cfg.max_num_batched_tokens or max(cfg.batched_tokens, catch_up)
     on_cuda = cfg.device == "cuda"
-    graphs = cfg.max_cudagraph_capture_size or (min(budget, catch_up) if on_cuda else None)
+    graphs = cfg.max_cudagraph_capture_size or (min(budget, catch_up, MAX_DRAFT_GRAPH_TOKENS) if on_cuda else None)
     mode = cfg.cudagraph_mode or (DRAFT_CUDAGRAPH_MODE if on_cuda else None)
     return replace(cfg, block_size=block, max_num_batched_tokens=budget, max_cudagraph_capture_size=graphs,
                    cudagraph_mode=mode)

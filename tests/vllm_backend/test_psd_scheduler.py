@@ -22,7 +22,8 @@ import torch
 from conftest import _build_tiny_llama
 from specdec.errors import CapacityError
 from specdec.sample.sampling import SamplingParams
-from specdec.vllm_backend.draft import CATCH_UP_NEW_TOKENS, VllmDraftWorker, drafting_config
+from specdec.vllm_backend.draft import (CATCH_UP_NEW_TOKENS, MAX_DRAFT_GRAPH_TOKENS, VllmDraftWorker,
+                                         drafting_config)
 from specdec.vllm_backend.engine import VllmEngineConfig, build_engine, check_kv_capacity, to_vllm_sampling
 from specdec.vllm_backend.target import VllmTargetWorker
 from specdec.engine.worker_base import DraftCapacityError
@@ -407,7 +408,8 @@ def test_drafting_config_fills_block_size_step_budget_and_graph_sizes_only_where
     assert cuda.compilation_config() == {"max_cudagraph_capture_size": 4 * (16 + CATCH_UP_NEW_TOKENS),
                                          "cudagraph_mode": "FULL"}
     wide = drafting_config(_cfg(models[1], device="cuda", max_num_seqs=256, max_model_len=2048))
-    assert wide.max_num_batched_tokens == wide.max_cudagraph_capture_size == 256 * (16 + CATCH_UP_NEW_TOKENS)
+    assert wide.max_num_batched_tokens == 256 * (16 + CATCH_UP_NEW_TOKENS)
+    assert wide.max_cudagraph_capture_size == MAX_DRAFT_GRAPH_TOKENS   # start-up captures a graph per size
     mine = drafting_config(_cfg(models[1], block_size=64, max_num_batched_tokens=100))
     assert (mine.block_size, mine.max_num_batched_tokens) == (64, 100)
     mine = drafting_config(_cfg(models[1], device="cuda", max_cudagraph_capture_size=8, cudagraph_mode="PIECEWISE"))
