@@ -173,12 +173,12 @@ def _decode_step_ms(a, engine, n: int, rng: random.Random) -> float:
 def _markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# Draft calls ({meta['device']}, {meta['dtype']}, {meta['draft']}, k = {meta['k']}, "
              f"{meta['num_calls']} calls per point)", "",
-             "| setup | engine start s | block | step budget | graphs up to | rows | ms / call | engine steps / call | add_request ms | step ms "
-             "| first step ms | later steps ms | vLLM decode step ms |",
+             "| setup | engine start s | block | step budget | graphs up to | rows | ms / call | engine steps / call "
+             "| add_request ms | step ms | first step ms | later steps ms | vLLM decode step ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['setup']} | {r['engine_start_s']:.1f} | {r['block_size']} | {r['max_num_batched_tokens']} | "
-                     f"{r['max_cudagraph_capture_size']} | {r['rows']} | "
+        lines.append(f"| {r['setup']} | {r['engine_start_s']:.1f} | {r['block_size']} | "
+                     f"{r['max_num_batched_tokens']} | {r['max_cudagraph_capture_size']} | {r['rows']} | "
                      f"{r['ms_per_call']:.1f} | {r['steps_per_call']:.2f} | {r['add_request_ms_per_call']:.1f} | "
                      f"{r['step_ms_per_call']:.1f} | {r['first_step_ms']:.2f} | {r['later_step_ms']:.2f} | "
                      f"{r['decode_step_ms']:.2f} |")
@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in a.rows:   # the set-ups take turns at each point, so neither gets the process's warm-up
         for setup, worker in workers.items():
             vllm_cfg = worker.engine.vllm_config
-            rows.append({"setup": setup, "engine_start_s": start_s[setup], "block_size": vllm_cfg.cache_config.block_size,
+            rows.append({"setup": setup, "engine_start_s": start_s[setup],
+                         "block_size": vllm_cfg.cache_config.block_size,
                          "max_num_batched_tokens": vllm_cfg.scheduler_config.max_num_batched_tokens,
                          "max_cudagraph_capture_size": vllm_cfg.compilation_config.max_cudagraph_capture_size,
                          **_measure(a, worker, timers[setup], n, seed=n)})
