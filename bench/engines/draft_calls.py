@@ -13,7 +13,9 @@ random tokens per row (the tokens a verify step commits). Per call: wall ms, eng
 ``LLMEngine.add_request`` and in ``LLMEngine.step``, the first step's ms (the catch-up) and the
 later steps' (decode); beside them the floor, ms per step of vLLM's own decode loop on the same
 engine with n requests resident (what a drafter whose requests stayed in the engine would pay per
-draft token). Writes ``results.json`` and ``results.md`` to ``--out-dir``.
+draft token), and the share of its draft tokens equal to the first set-up's (same prompts and
+committed tokens, greedy: a graph mode that computed wrongly would show here). Writes
+``results.json`` and ``results.md`` to ``--out-dir``.
 
     python -m bench.engines.draft_calls --device cpu --dtype float32 --draft random:tiny-llama-hd64 \\
         --enforce-eager --rows 4,16,64 --out-dir bench/results/draft_calls_cpu
@@ -115,7 +117,7 @@ def _measure(a, worker, timed: _Timed, n: int, seed: int) -> dict:
     rng, greedy = random.Random(seed), SamplingParams(temperature=0.0, seed=0)
     seqs = {f"n{n}-r{i}": [rng.randrange(3, 1000) for _ in range(8 + 5 * i)] for i in range(n)}
     worker.add_requests([(rid, seq, greedy) for rid, seq in seqs.items()])
-    ids, ms = list(seqs), []
+    ids, ms, drafts = list(seqs), [], []
     try:
         for call in range(a.num_warmup + a.num_calls):
             committed = []
@@ -127,7 +129,8 @@ def _measure(a, worker, timed: _Timed, n: int, seed: int) -> dict:
                 timed.reset()
             timed.step_ms = []
             t = time.perf_counter()
-            worker.draft(ids, committed, a.k)
+            rows, _ = worker.draft(ids, committed, a.k)
+            drafts += rows
             if call >= a.num_warmup:
                 ms.append((time.perf_counter() - t) * 1e3)
                 timed.end_call()
@@ -140,7 +143,15 @@ def _measure(a, worker, timed: _Timed, n: int, seed: int) -> dict:
             "add_request_ms_per_call": timed.seconds["add_request"] * 1e3 / calls,
             "step_ms_per_call": timed.seconds["step"] * 1e3 / calls,
             "first_step_ms": _mean(timed.first_step_ms), "later_step_ms": _mean(timed.later_step_ms),
-            "decode_step_ms": _decode_step_ms(a, worker.engine, n, rng)}
+            "decode_step_ms": _decode_step_ms(a, worker.engine, n, rng), "drafts": drafts}
+
+
+def _agreement(drafts: list[list[int]], reference: list[list[int]]) -> float:
+    """Share of draft tokens equal to the reference set-up's at the same row, call and position
+    (the set-ups get the same prompts and committed tokens; greedy drafts differ only where
+    numerics differ, e.g. between CUDA-graph modes)."""
+    pairs = [(x, y) for row, ref in zip(drafts, reference) for x, y in zip(row, ref)]
+    return sum(x == y for x, y in pairs) / len(pairs) if pairs else 0.0
 
 
 def _mean(values: list[float]) -> float:
@@ -174,14 +185,15 @@ def _markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# Draft calls ({meta['device']}, {meta['dtype']}, {meta['draft']}, k = {meta['k']}, "
              f"{meta['num_calls']} calls per point)", "",
              "| setup | engine start s | block | step budget | graphs up to | rows | ms / call | engine steps / call "
-             "| add_request ms | step ms | first step ms | later steps ms | vLLM decode step ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| add_request ms | step ms | first step ms | later steps ms | vLLM decode step ms "
+             "| drafts = first set-up's |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['setup']} | {r['engine_start_s']:.1f} | {r['block_size']} | "
                      f"{r['max_num_batched_tokens']} | {r['max_cudagraph_capture_size']} | {r['rows']} | "
                      f"{r['ms_per_call']:.1f} | {r['steps_per_call']:.2f} | {r['add_request_ms_per_call']:.1f} | "
                      f"{r['step_ms_per_call']:.1f} | {r['first_step_ms']:.2f} | {r['later_step_ms']:.2f} | "
-                     f"{r['decode_step_ms']:.2f} |")
+                     f"{r['decode_step_ms']:.2f} | {r['drafts_equal_to_first_setup']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -206,13 +218,17 @@ def main(argv: list[str] | None = None) -> int:
     timers = {setup: _Timed(worker.engine) for setup, worker in workers.items()}
     rows = []
     for n in a.rows:   # the set-ups take turns at each point, so neither gets the process's warm-up
+        reference = None   # the first set-up's drafts at this point
         for setup, worker in workers.items():
             vllm_cfg = worker.engine.vllm_config
+            point = _measure(a, worker, timers[setup], n, seed=n)
+            drafts = point.pop("drafts")
+            reference = drafts if reference is None else reference
             rows.append({"setup": setup, "engine_start_s": start_s[setup],
                          "block_size": vllm_cfg.cache_config.block_size,
                          "max_num_batched_tokens": vllm_cfg.scheduler_config.max_num_batched_tokens,
                          "max_cudagraph_capture_size": vllm_cfg.compilation_config.max_cudagraph_capture_size,
-                         **_measure(a, worker, timers[setup], n, seed=n)})
+                         **point, "drafts_equal_to_first_setup": _agreement(drafts, reference)})
             print("DRAFT_CALLS", json.dumps(rows[-1]), flush=True)
     meta = {"command": "python -m bench.engines.draft_calls " + " ".join(argv if argv is not None else sys.argv[1:]),
             "device": a.device, "dtype": a.dtype, "draft": a.draft, "k": a.k, "num_calls": a.num_calls,

@@ -27,4 +27,7 @@ def test_both_setups_run_and_only_the_drafting_one_takes_k_steps_per_call(tmp_pa
         steps_ms = r["first_step_ms"] + (r["steps_per_call"] - 1) * r["later_step_ms"]
         assert steps_ms == pytest.approx(r["step_ms_per_call"])
         assert r["step_ms_per_call"] <= r["ms_per_call"]
+    # the same greedy drafts from both engines (float32, same weights and inputs; the first set-up is the reference)
+    assert [points["drafting", n]["drafts_equal_to_first_setup"] for n in (2, 24)] == [1.0, 1.0]
+    assert min(points["vllm-default", n]["drafts_equal_to_first_setup"] for n in (2, 24)) >= 0.9
     assert "| 32 | 1152 | None | 24 |" in (tmp_path / "out" / "results.md").read_text()
