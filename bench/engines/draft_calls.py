@@ -95,19 +95,20 @@ class _Timed:
 
 
 def _config(a, setup: str, model: str, load_format: str, max_num_seqs: int):
-    from specdec.vllm_backend.engine import VLLM_BLOCK_SIZE, VllmEngineConfig
+    from specdec.vllm_backend.engine import VLLM_BLOCK_SIZE, VLLM_CUDAGRAPH_MODE, VllmEngineConfig
 
     cfg = VllmEngineConfig(model=model, load_format=load_format, device=a.device, dtype=a.dtype,
                            max_num_seqs=max_num_seqs, max_model_len=a.max_model_len,
                            enforce_eager=a.enforce_eager, gpu_memory_utilization=0.2,
                            kv_cache_space_gib=a.kv_cache_space_gib)
-    if setup == "vllm-default":
-        graphs = min(2 * max_num_seqs, 512) if a.device == "cuda" else None   # vLLM's defaults without speculation
-        vllm_mode = "FULL_AND_PIECEWISE" if a.device == "cuda" else None
-        return dataclasses.replace(cfg, block_size=VLLM_BLOCK_SIZE[a.device], max_num_batched_tokens=cfg.batched_tokens,
-                                   max_cudagraph_capture_size=graphs, cudagraph_mode=vllm_mode)
+    on_cuda = a.device == "cuda"
+    if setup == "vllm-default":   # vLLM's own defaults, which drafting_config would otherwise fill in
+        return dataclasses.replace(
+            cfg, block_size=VLLM_BLOCK_SIZE[a.device], max_num_batched_tokens=cfg.batched_tokens,
+            max_cudagraph_capture_size=cfg.vllm_default_cudagraph_capture_size() if on_cuda else None,
+            cudagraph_mode=VLLM_CUDAGRAPH_MODE if on_cuda else None)
     if setup == "drafting-piecewise":
-        return dataclasses.replace(cfg, cudagraph_mode="FULL_AND_PIECEWISE")
+        return dataclasses.replace(cfg, cudagraph_mode=VLLM_CUDAGRAPH_MODE)
     return cfg
 
 
@@ -127,7 +128,6 @@ def _measure(a, worker, timed: _Timed, n: int, seed: int) -> dict:
                 committed.append((start, seqs[rid][start:]))
             if call == a.num_warmup:
                 timed.reset()
-            timed.step_ms = []
             t = time.perf_counter()
             rows, _ = worker.draft(ids, committed, a.k)
             drafts += rows

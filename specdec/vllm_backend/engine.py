@@ -44,6 +44,7 @@ ENV_DEFAULTS = {
 CUDA_ENV_DEFAULTS = {"VLLM_ATTENTION_BACKEND": "FLASH_ATTN"}   # vLLM's bundled flash-attention (GPU host)
 VLLM_BLOCK_SIZE = {"cpu": 128, "cuda": 16}   # vLLM's KV block tokens where block_size is left open
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")   # vLLM's CUDAGraphMode
+VLLM_CUDAGRAPH_MODE = "FULL_AND_PIECEWISE"   # vLLM's default where cudagraph_mode is left open
 
 
 @dataclass(frozen=True)
@@ -71,11 +72,11 @@ class VllmEngineConfig:
         block_size: tokens per paged KV-cache block (None: vLLM's platform default,
             ``VLLM_BLOCK_SIZE``; vLLM's CPU attention needs a multiple of 32).
         max_cudagraph_capture_size: CUDA: the largest step (tokens) vLLM captures CUDA graphs for;
-            a larger step runs without graphs (None: vLLM's default, ``min(max_num_seqs x (k + 1)
-            x 2, 512)``).
+            a larger step runs without graphs (None: vLLM's default,
+            ``vllm_default_cudagraph_capture_size``).
         cudagraph_mode: CUDA: vLLM's ``compilation_config.cudagraph_mode`` (e.g. ``FULL``: whole
             graphs for mixed prefill + decode steps too, where the attention backend allows;
-            None: vLLM's default, ``FULL_AND_PIECEWISE``).
+            None: vLLM's default, ``VLLM_CUDAGRAPH_MODE``).
         seed: vLLM's global seed (requests carry their own seeds).
         async_scheduling: vLLM's async scheduling (step i + 1 scheduled while step i runs), for
             an engine without speculation (the drafter, and the verifier of ``ar``); vLLM's CPU
@@ -138,6 +139,11 @@ class VllmEngineConfig:
             return self.max_num_batched_tokens
         return max(self.max_model_len, self.max_num_seqs * (self.num_speculative_tokens + 1))
 
+    def vllm_default_cudagraph_capture_size(self) -> int:
+        """What vLLM 0.24 takes for ``max_cudagraph_capture_size`` when it is left open:
+        ``min(max_num_seqs x (k + 1) x 2, 512)``, at most the step budget."""
+        return min(self.max_num_seqs * (self.num_speculative_tokens + 1) * 2, 512, self.batched_tokens)
+
     def compilation_config(self) -> dict:
         """The ``compilation_config`` entries set here (empty: vLLM's defaults)."""
         config = {"max_cudagraph_capture_size": self.max_cudagraph_capture_size, "cudagraph_mode": self.cudagraph_mode}
@@ -179,7 +185,7 @@ def build_engine(cfg: VllmEngineConfig):
         scheduler_cls=ASYNC_SCHEDULER_CLS if cfg.async_scheduling else SCHEDULER_CLS,
         speculative_config=cfg.speculative_config(), async_scheduling=cfg.async_scheduling, disable_log_stats=True,
         **({"block_size": cfg.block_size} if cfg.block_size is not None else {}),
-        **({"compilation_config": cfg.compilation_config()} if cfg.compilation_config() else {}),
+        **({"compilation_config": compilation} if (compilation := cfg.compilation_config()) else {}),
         **({"gpu_memory_utilization": cfg.gpu_memory_utilization} if cfg.device == "cuda"
            else {"kv_cache_memory_bytes": int(cfg.kv_cache_space_gib * 2**30)}))
     engine = LLMEngine.from_engine_args(args)
