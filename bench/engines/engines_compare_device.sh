@@ -7,7 +7,8 @@
 # TABLE: paper  - Llama-3-8B-shape target, Qwen3-0.6B-shape draft, random weights, acceptance
 #                 fixed at 0.7 on both sides (ours --bench-fixed-acceptance, vLLM synthetic);
 #        smollm2 - the real SmolLM2-135M-Instruct target with our distilled draft, greedy.
-# Drafter and verifier share GPU 0 under CUDA MPS (MPS=0: no MPS). Env: SYSTEMS, CONCURRENCIES, EXTRA, DATA (the prompts) override;
+# Drafter and verifier share GPU 0 under CUDA MPS (MPS=0: no MPS). Env: SYSTEMS, CONCURRENCIES, EXTRA, DATA (the prompts),
+# MAX_MODEL_LEN (2048: each of the 128 Spec-Bench prompts used fits beside 256 output tokens; 1024 refused 21) override;
 # SMOKE=1 first runs bench.engines.vllm_backend_smoke (the backend's workers in-process, greedy sd = ar;
 # SMOKE_ARGS its flags, SMOKE_ONLY=1 stops after it); PROFILE=1 first runs bench.engines.ar_step_profile (PROFILE_ARGS);
 # DRAFT_CALLS=1 first runs bench.engines.draft_calls (DRAFT_CALLS_ARGS: one vLLM draft call per engine set-up).
@@ -58,7 +59,7 @@ case "$TABLE" in
 esac
 python3 -m bench.engines.engines_compare --out-dir "$OUT/$TABLE" --work-dir /tmp/work/$TABLE --device cuda --dtype bfloat16 \
     $ARGS --systems "$SYSTEMS" --concurrencies "${CONCURRENCIES:-1,4,16,32,64}" --k 4 --m 32 \
-    --max-model-len 1024 $([ "${MPS:-1}" = 0 ] || echo --cuda-mps) --drafter-gpu 0 --requests-per-client 2 --min-requests 4 --max-requests 128 \
+    --max-model-len "${MAX_MODEL_LEN:-2048}" $([ "${MPS:-1}" = 0 ] || echo --cuda-mps) --drafter-gpu 0 --requests-per-client 2 --min-requests 4 --max-requests 128 \
     --data "${DATA:-/root/stage/x/question.jsonl}" --time-budget-s "$(( $(left) - 40 ))" ${EXTRA:-}
 echo "engines_compare $TABLE done, $(left) s left"
 tar czf "$OUT/$TABLE/logs.tgz" -C /tmp/work/$TABLE logs 2>/dev/null
