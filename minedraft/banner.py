@@ -18,7 +18,9 @@ def banner_lines(cfg: StackConfig, run_dir: str) -> list[str]:
     lines[-1] += "; drafter and verifier serve none"
     placement = cfg.placement
     if cfg.uses_cuda_mps:
-        lines.append(f"  CUDA MPS: on (a private daemon; its logs in {run_dir}/mps)")
+        share = (f", the verifier on at most {cfg.verifier_sm_percent}% of the SMs"
+                 if cfg.verifier_sm_percent < 100 else "")
+        lines.append(f"  CUDA MPS: on (a private daemon; its logs in {run_dir}/mps){share}")
     elif cfg.cuda_mps:
         lines.append("  CUDA MPS: not used (ar runs the target alone: nothing shares its GPU)")
     elif placement.is_shared_gpu and cfg.has_drafter:

@@ -9,7 +9,7 @@ import os
 import sys
 
 from minedraft.engine_backend import ENGINES
-from minedraft.placement import DEVICES, NO_GPU, default_dtype, parse_gpu_list
+from minedraft.placement import ALL_SMS, DEVICES, NO_GPU, default_dtype, parse_gpu_list
 from minedraft.stack import (BALANCERS, DATA_PLANES, DEFAULT_STREAM_INTERVAL, DEFAULT_TARGET, K_POLICIES, MODES,
                              StackConfig, default_data_plane)
 
@@ -52,6 +52,9 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-mps", action="store_true",
                    help="cuda: run the engines under a private CUDA MPS daemon, so a drafter sharing the "
                         "verifier's GPU drafts while it verifies (needs nvidia-cuda-mps-control)")
+    p.add_argument("--cuda-mps-verifier-sm-percent", type=int, default=ALL_SMS, metavar="P",
+                   help="cuda + --cuda-mps: the verifier's kernels use at most P%% of the GPU's SMs "
+                        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so the drafter's find SMs free (default 100: no limit)")
     p.add_argument("--bench-fixed-acceptance", type=float, default=None, metavar="P",
                    help="BENCHMARK-ONLY: the verifier accepts each draft token with probability P instead of "
                         "rejection sampling (changes the output distribution; for random:<preset> models)")
@@ -121,7 +124,8 @@ def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
                        draft=args.draft, max_model_len=args.max_model_len,
                        dtype=args.dtype or default_dtype(args.device), device=args.device,
                        verifier_gpus=parse_gpu_list(args.verifier_gpus), drafter_gpu=args.drafter_gpu,
-                       cuda_mps=args.cuda_mps, bench_fixed_acceptance=args.bench_fixed_acceptance,
+                       cuda_mps=args.cuda_mps, verifier_sm_percent=args.cuda_mps_verifier_sm_percent,
+                       bench_fixed_acceptance=args.bench_fixed_acceptance,
                        is_pinned=not args.no_pin, host=args.host, gateway_port=args.port, http_port=args.http_port,
                        coordinator_port=args.port + 1, drafter_port=args.port + 2, verifier_port=args.port + 3,
                        dist_port=dist_port_for(args.port),

@@ -24,6 +24,8 @@ NO_GPU = -1                       # sentinel: drafter GPU not given
 NO_GPUS: tuple[int, ...] = ()     # sentinel: verifier GPUs not given
 CUDA_ENV = "CUDA_VISIBLE_DEVICES"
 HIDE_GPUS = ""                    # CUDA_VISIBLE_DEVICES value that hides every GPU
+MPS_SM_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"  # an MPS client's share of the GPU's SMs (percent)
+ALL_SMS = 100
 
 
 def default_dtype(device: str) -> str:
@@ -58,6 +60,11 @@ class Placement:
         drafter_gpu: the drafter's GPU index (``--drafter-gpu``; may equal a verifier GPU).
         tensor_parallel_size: verifier ranks (``--tp``).
         cuda_mps: run the engines as clients of a private CUDA MPS daemon (``--cuda-mps``).
+        verifier_sm_percent: under MPS, the share of the GPU's SMs (percent) the verifier's
+            kernels may use (``--cuda-mps-verifier-sm-percent``; MPS's
+            ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, see https://docs.nvidia.com/deploy/mps/): below
+            100 the drafter's kernels, PSD's critical path on one GPU, always find SMs free
+            instead of queueing behind the verifier's. 100: no limit.
 
     Raises:
         ValueError: naming the flag: GPU flags with ``--device cpu``, a GPU count that differs
@@ -69,10 +76,14 @@ class Placement:
     drafter_gpu: int = NO_GPU
     tensor_parallel_size: int = 1
     cuda_mps: bool = False
+    verifier_sm_percent: int = ALL_SMS
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"--device: must be one of {DEVICES}, got {self.device!r}")
+        if not 1 <= self.verifier_sm_percent <= ALL_SMS or (self.verifier_sm_percent < ALL_SMS and not self.cuda_mps):
+            raise ValueError(f"--cuda-mps-verifier-sm-percent: must be in [1, 100] (below 100 only with --cuda-mps), "
+                             f"got {self.verifier_sm_percent}")
         if self.device == "cpu":
             if self.verifier_gpus != NO_GPUS:
                 raise ValueError("--verifier-gpus: only with --device cuda")
@@ -119,6 +130,10 @@ class Placement:
         if not self.is_cuda:
             return {}
         return {CUDA_ENV: ",".join(map(str, self.resolved_verifier_gpus))}
+
+    def verifier_mps_env(self) -> dict[str, str]:
+        """What the verifier adds to its environment as an MPS client: its SM share, if limited."""
+        return {MPS_SM_ENV: str(self.verifier_sm_percent)} if self.verifier_sm_percent < ALL_SMS else {}
 
     def drafter_env(self) -> dict[str, str]:
         """Environment of the drafter child: its one GPU."""

@@ -17,7 +17,7 @@ from coordinator.config import DEFAULT_STREAM_INTERVAL, MAX_DECODE_STEPS
 from gateway.config import DEFAULT_MAX_N
 from specdec.sample.bench_only import check_acceptance_prob, fixed_acceptance_label
 from minedraft.engine_backend import ENGINES, engine_python, vllm_service_args
-from minedraft.placement import NO_GPU, NO_GPUS, Placement
+from minedraft.placement import ALL_SMS, NO_GPU, NO_GPUS, Placement
 from minedraft.probes import free_loopback_ports  # noqa: F401  (part of the stack API)
 
 MODES = ("ar", "sd", "psd", "auto")  # auto: the coordinator picks ar / sd / psd per step (coordinator.auto_mode)
@@ -67,7 +67,7 @@ class StackConfig:
         step_log: JSONL file the coordinator appends one record per step to ("" = off;
             ``minedraft timeline`` draws it).
         startup_timeout_s, stop_timeout_s: seconds to reach SERVING / to exit after SIGTERM.
-        device, verifier_gpus, drafter_gpu, cuda_mps: engine placement (``minedraft.placement.Placement``;
+        device, verifier_gpus, drafter_gpu, cuda_mps, verifier_sm_percent: engine placement (``minedraft.placement.Placement``;
             on cuda no core pinning, each engine sees only its GPUs).
         bench_fixed_acceptance: BENCHMARK-ONLY: the verifier accepts each draft token with this
             probability instead of rejection sampling (``specdec.sample.fixed_acceptance``); changes the
@@ -124,6 +124,7 @@ class StackConfig:
     verifier_gpus: tuple[int, ...] = NO_GPUS
     drafter_gpu: int = NO_GPU
     cuda_mps: bool = False
+    verifier_sm_percent: int = ALL_SMS
     bench_fixed_acceptance: float | None = None
     k_policy: str = "fixed"
     balancer: str = "paper"
@@ -194,7 +195,7 @@ class StackConfig:
     def placement(self) -> Placement:
         """Where the engines run (raises ValueError naming a bad device flag)."""
         return Placement(self.device, tuple(self.verifier_gpus), self.drafter_gpu, self.tensor_parallel_size,
-                         self.cuda_mps)
+                         self.cuda_mps, self.verifier_sm_percent)
 
     @property
     def has_drafter(self) -> bool:
@@ -308,7 +309,7 @@ def verifier_spec(cfg: StackConfig, model_dir: str) -> ServiceSpec:
         args += ["--bench-fixed-acceptance", repr(cfg.bench_fixed_acceptance)]
     if cfg.engine == "vllm":
         args += vllm_service_args(cfg, "verifier", model_dir)
-    env = cfg.placement.verifier_env()
+    env = {**cfg.placement.verifier_env(), **(cfg.placement.verifier_mps_env() if cfg.uses_cuda_mps else {})}
     python = engine_python(cfg.engine, cfg.engine_python)
     if cfg.tensor_parallel_size > 1 and cfg.engine == "native":
         launcher = [python, "-m", "torch.distributed.run", "--standalone",

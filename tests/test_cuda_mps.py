@@ -22,7 +22,7 @@ from minedraft.banner import banner_lines
 from minedraft.cli import build_parser, stack_config
 from minedraft.cuda_mps import LOG_ENV, MPS_CONTROL, PIPE_DIR_FILE, PIPE_ENV, CudaMpsDaemon, CudaMpsError
 from minedraft.launcher import Stack
-from minedraft.placement import CUDA_ENV, Placement
+from minedraft.placement import CUDA_ENV, MPS_SM_ENV, Placement
 from minedraft.stack import ServiceSpec, StackConfig, coordinator_spec, drafter_spec, verifier_spec
 
 CONTROL_SCRIPT = """#!/bin/sh
@@ -187,3 +187,22 @@ def test_banner_says_whether_the_shared_gpu_runs_under_mps():
     for cfg in (StackConfig(device="cuda", verifier_gpus=(0,), drafter_gpu=1), StackConfig(),
                 StackConfig(mode="ar", device="cuda", verifier_gpus=(0,), drafter_gpu=0)):
         assert not any("mps" in line.lower() for line in banner_lines(cfg, "runs/x"))
+
+
+def test_verifier_sm_share_reaches_only_an_mps_verifier():
+    parser = build_parser()
+    up = parser.parse_args(["up", "--device", "cuda", "--verifier-gpus", "0", "--drafter-gpu", "0", "--cuda-mps",
+                            "--cuda-mps-verifier-sm-percent", "70"])
+    cfg = stack_config(up, "psd")
+    assert cfg.verifier_sm_percent == 70 and cfg.placement.verifier_sm_percent == 70
+    assert verifier_spec(cfg, "/m").env[MPS_SM_ENV] == "70"
+    assert MPS_SM_ENV not in drafter_spec(cfg, "/m", "/d").env   # the drafter keeps every SM
+    assert any("at most 70% of the SMs" in line for line in banner_lines(cfg, "runs/x"))
+    assert MPS_SM_ENV not in verifier_spec(replace(cfg, mode="ar"), "/m").env   # ar: not an MPS client
+    assert MPS_SM_ENV not in verifier_spec(replace(cfg, verifier_sm_percent=100), "/m").env
+
+
+@pytest.mark.parametrize("percent, mps", [(0, True), (101, True), (-5, True), (70, False)])
+def test_verifier_sm_share_out_of_range_or_without_mps_is_refused_naming_the_flag(percent, mps):
+    with pytest.raises(ValueError, match="--cuda-mps-verifier-sm-percent"):
+        StackConfig(device="cuda", verifier_gpus=(0,), drafter_gpu=0, cuda_mps=mps, verifier_sm_percent=percent)

@@ -27,7 +27,10 @@ SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, inte
     ("vllm-sd-k12", SystemName("vllm", "sd", k=12)),
     ("psd-vllm", SystemName("ours", "psd", "vllm")),
     ("ar-native", SystemName("ours", "ar", "native")),
-    ("auto-vllm", SystemName("ours", "auto", "vllm")),
+    ("auto-vllm", SystemName("ours", "auto", "vllm", adaptive_k=True)),
+    ("psd-vllm-adaptive", SystemName("ours", "psd", "vllm", adaptive_k=True)),
+    ("psd-vllm-vsm70", SystemName("ours", "psd", "vllm", verifier_sm_percent=70)),
+    ("sd-vllm-ds1-adaptive-vsm100", SystemName("ours", "sd", "vllm", decode_steps=1, adaptive_k=True)),
     ("ar-vllm-ds16", SystemName("ours", "ar", "vllm", decode_steps=16)),
     ("psd-native-ds1", SystemName("ours", "psd", "native", decode_steps=1)),
     ("ar-vllm-ds32-block", SystemName("ours", "ar", "vllm", decode_steps=32, stream_decode_steps=False)),
@@ -40,12 +43,32 @@ def test_parse_system_reads_every_form(name, expected):
 
 @pytest.mark.parametrize("name", ["vllm-sd-k0", "vllm-sd", "vllm-sd-kx", "vllm-psd", "psd", "psd-tgi", "xyz-vllm", "",
                                   "ar-vllm-ds0", "ar-vllm-ds65", "vllm-ar-ds8", "ar-vllm-dsx", "ar-vllm-si0",
-                                  "ar-vllm-si65", "ar-vllm-si4-block", "ar-vllm-block-ds8", "ar-vllm-si4-ds8"])
+                                  "ar-vllm-si65", "ar-vllm-si4-block", "ar-vllm-block-ds8", "ar-vllm-si4-ds8",
+                                  "psd-vllm-vsm0", "psd-vllm-vsm101", "psd-vllm-vsm70-adaptive", "vllm-sd-k3-adaptive"])
 def test_parse_system_refuses_unknown_names_naming_them(name):
     with pytest.raises(ValueError, match=f"unknown system '{name}'"):
         parse_system(name)
     with pytest.raises(ValueError):
         CompareConfig(out_dir="x", systems=("vllm-ar", name))
+
+
+@pytest.mark.parametrize("name", ["psd-vllm", "psd-vllm-adaptive", "auto-vllm", "sd-native-ds8-vsm60"])
+def test_our_stack_config_carries_the_k_policy_and_the_verifier_sm_share(name, tmp_path):
+    from bench.engines.compare_systems import our_stack_config
+    from minedraft.placement import MPS_SM_ENV
+    from minedraft.stack import verifier_spec
+
+    system = parse_system(name)
+    cfg = CompareConfig(out_dir="x", systems=(name,), cuda_mps=True, m=4, k=3)
+    stack = our_stack_config(system, cfg, str(tmp_path), str(tmp_path / "steps.jsonl"))
+    assert stack.k_policy == ("adaptive" if name.startswith("auto") or "adaptive" in name else "fixed")
+    assert stack.balancer == ("feedback" if name.startswith("auto") else "paper")
+    assert (stack.mode, stack.engine, stack.num_speculative_tokens) == (system.mode, system.engine, 3)
+    assert stack.max_num_seqs == (4 if system.mode in ("psd", "auto") else 8)
+    assert verifier_spec(stack, "/m").env.get(MPS_SM_ENV) == ("60" if "vsm60" in name else None)
+    if "vsm" in name:
+        with pytest.raises(ValueError, match="needs --cuda-mps"):
+            CompareConfig(out_dir="x", systems=(name,))
 
 
 def test_synthetic_rates_are_the_powers_of_p():

@@ -1,9 +1,10 @@
 """The systems of ``bench.engines.engines_compare``: our stack on either engine backend, vLLM's own server.
 
-Names: ``<mode>-<engine>[-ds<N>][-si<S>|-block]`` for ours (mode ``ar``/``sd``/``psd``/``auto``, engine
-``vllm`` or ``native``; ``-ds<N>``: ``--decode-steps N`` for this system, else the run's;
-``-si<S>``: ``--stream-interval S`` (else the default); ``-block``: ``--no-stream-decode-steps``,
-a multi-step call's tokens at its end), ``vllm-ar`` and
+Names: ``<mode>-<engine>[-ds<N>][-si<S>|-block][-adaptive][-vsm<P>]`` for ours (mode
+``ar``/``sd``/``psd``/``auto``, engine ``vllm`` or ``native``; ``-ds<N>``: ``--decode-steps N`` for
+this system, else the run's; ``-si<S>``: ``--stream-interval S`` (else the default); ``-block``:
+``--no-stream-decode-steps``, a multi-step call's tokens at its end; ``-adaptive``: ``--k-policy
+adaptive``, which ``auto`` always runs; ``-vsm<P>``: ``--cuda-mps-verifier-sm-percent P``), ``vllm-ar`` and
 ``vllm-sd-k<K>`` for vLLM. Start/stop and metrics are those of
 ``bench.common.systems.OursSystem`` / ``VllmSystem`` (subclassed: only the command lines differ).
 """
@@ -20,7 +21,8 @@ from minedraft.engine_backend import ENGINES, OWN_GPU_UTILIZATION, engine_python
 
 OUR_MODES = ("ar", "sd", "psd", "auto")
 _VLLM_SD = re.compile(r"^vllm-sd-k(\d+)$")
-_OURS = re.compile(r"^(?P<mode>[a-z]+)-(?P<engine>[a-z]+)(?:-ds(?P<ds>\d+))?(?:-si(?P<si>\d+)|(?P<block>-block))?$")
+_OURS = re.compile(r"^(?P<mode>[a-z]+)-(?P<engine>[a-z]+)(?:-ds(?P<ds>\d+))?(?:-si(?P<si>\d+)|(?P<block>-block))?"
+                   r"(?P<adaptive>-adaptive)?(?:-vsm(?P<vsm>\d+))?$")
 SERVED_MODEL = "minedraft-bench-target"
 
 
@@ -33,6 +35,8 @@ class SystemName:
     decode_steps: int | None = None  # ours: --decode-steps of this system (None: the run's)
     stream_decode_steps: bool = True  # ours: False for -block (--no-stream-decode-steps)
     stream_interval: int | None = None  # ours: --stream-interval of this system (None: the default)
+    adaptive_k: bool = False  # ours: --k-policy adaptive (auto: always)
+    verifier_sm_percent: int = 100  # ours: --cuda-mps-verifier-sm-percent
 
 
 def parse_system(name: str) -> SystemName:
@@ -44,13 +48,18 @@ def parse_system(name: str) -> SystemName:
         return SystemName("vllm", "sd", k=int(match.group(1)))
     ours = _OURS.match(name)
     counts = [int(ours.group(g)) for g in ("ds", "si") if ours.group(g) is not None] if ours else []
-    if ours and ours.group("mode") in OUR_MODES and ours.group("engine") in ENGINES and all(1 <= n <= 64 for n in counts):
+    vsm = int(ours.group("vsm")) if ours and ours.group("vsm") else 100
+    if (ours and ours.group("mode") in OUR_MODES and ours.group("engine") in ENGINES and all(1 <= n <= 64 for n in counts)
+            and 1 <= vsm <= 100):
         return SystemName("ours", ours.group("mode"), ours.group("engine"),
                           decode_steps=int(ours.group("ds")) if ours.group("ds") else None,
                           stream_decode_steps=ours.group("block") is None,
-                          stream_interval=int(ours.group("si")) if ours.group("si") else None)
+                          stream_interval=int(ours.group("si")) if ours.group("si") else None,
+                          adaptive_k=ours.group("adaptive") is not None or ours.group("mode") == "auto",
+                          verifier_sm_percent=vsm)
     raise ValueError(f"systems: unknown system {name!r} (forms: vllm-ar, vllm-sd-k<K>, "
-                     f"<{'|'.join(OUR_MODES)}>-<{'|'.join(ENGINES)}>[-ds<N>][-si<S>|-block], N and S in [1, 64])")
+                     f"<{'|'.join(OUR_MODES)}>-<{'|'.join(ENGINES)}>[-ds<N>][-si<S>|-block][-adaptive][-vsm<P>], "
+                     "N and S in [1, 64], P in [1, 100])")
 
 
 def synthetic_rates(p: float, k: int) -> list[float]:
@@ -58,37 +67,43 @@ def synthetic_rates(p: float, k: int) -> list[float]:
     return [p ** i for i in range(1, k + 1)]
 
 
+def our_stack_config(system: SystemName, cfg, logs_dir: str, step_log: str):
+    """The ``minedraft.stack.StackConfig`` of our ``system`` under ``cfg`` (free loopback ports)."""
+    from minedraft.stack import StackConfig, free_loopback_ports
+
+    gateway, coordinator, drafter, verifier, dist, http = free_loopback_ports(6)
+    is_cuda = cfg.device == "cuda"
+    two_batches = system.mode in ("psd", "auto")
+    return StackConfig(
+        mode=system.mode, engine=system.engine, engine_python=cfg.vllm_python, num_speculative_tokens=cfg.k,
+        max_num_seqs=cfg.m if two_batches else 2 * cfg.m, target=cfg.target, draft=cfg.draft,
+        max_model_len=cfg.max_model_len, dtype=cfg.dtype, device=cfg.device,
+        drafter_gpu=cfg.drafter_gpu if is_cuda else -1, cuda_mps=cfg.cuda_mps and is_cuda,
+        verifier_sm_percent=system.verifier_sm_percent,
+        bench_fixed_acceptance=cfg.fixed_acceptance, enforce_eager=cfg.enforce_eager,
+        k_policy="adaptive" if system.adaptive_k else "fixed",
+        balancer="feedback" if system.mode == "auto" else "paper",
+        data_plane="inline" if system.engine == "vllm" or not is_cuda else "ipc",
+        gateway_port=gateway, coordinator_port=coordinator, drafter_port=drafter, verifier_port=verifier,
+        dist_port=dist, http_port=http, step_log=step_log, runs_dir=logs_dir,
+        startup_timeout_s=cfg.startup_timeout_s,
+        num_decode_steps=cfg.decode_steps if system.decode_steps is None else system.decode_steps,
+        stream_decode_steps=system.stream_decode_steps,
+        stream_interval=system.stream_interval or DEFAULT_STREAM_INTERVAL)
+
+
 class OursServer(OursSystem):
     """Our stack for ``name`` under ``cfg`` (a ``bench.engines.engines_compare.CompareConfig``)."""
 
     def __init__(self, name: str, cfg, logs_dir: str) -> None:  # noqa: D107 -- see the class docstring
         from minedraft.launcher import Stack, resolve_model_dir
-        from minedraft.stack import StackConfig, free_loopback_ports
 
-        system = parse_system(name)
-        gateway, coordinator, drafter, verifier, dist, http = free_loopback_ports(6)
         os.makedirs(logs_dir, exist_ok=True)
         self._step_log = os.path.join(logs_dir, "steps.jsonl")
-        is_cuda = cfg.device == "cuda"
-        two_batches = system.mode in ("psd", "auto")
-        stack = StackConfig(
-            mode=system.mode, engine=system.engine, engine_python=cfg.vllm_python, num_speculative_tokens=cfg.k,
-            max_num_seqs=cfg.m if two_batches else 2 * cfg.m, target=cfg.target, draft=cfg.draft,
-            max_model_len=cfg.max_model_len, dtype=cfg.dtype, device=cfg.device,
-            drafter_gpu=cfg.drafter_gpu if is_cuda else -1, cuda_mps=cfg.cuda_mps and is_cuda,
-            bench_fixed_acceptance=cfg.fixed_acceptance, enforce_eager=cfg.enforce_eager,
-            k_policy="adaptive" if system.mode == "auto" else "fixed",
-            balancer="feedback" if system.mode == "auto" else "paper",
-            data_plane="inline" if system.engine == "vllm" or not is_cuda else "ipc",
-            gateway_port=gateway, coordinator_port=coordinator, drafter_port=drafter, verifier_port=verifier,
-            dist_port=dist, http_port=http, step_log=self._step_log, runs_dir=logs_dir,
-            startup_timeout_s=cfg.startup_timeout_s,
-            num_decode_steps=cfg.decode_steps if system.decode_steps is None else system.decode_steps,
-            stream_decode_steps=system.stream_decode_steps,
-            stream_interval=system.stream_interval or DEFAULT_STREAM_INTERVAL)
+        stack = our_stack_config(parse_system(name), cfg, logs_dir, self._step_log)
         self._stack = Stack(stack, run_dir=logs_dir)
         self._model_dir = resolve_model_dir(cfg.target)
-        self.endpoint = Endpoint(f"http://127.0.0.1:{http}/v1", os.path.basename(os.path.normpath(cfg.target)),
+        self.endpoint = Endpoint(f"http://127.0.0.1:{stack.http_port}/v1", os.path.basename(os.path.normpath(cfg.target)),
                                  self._step_log, logs_dir)
 
 

@@ -86,7 +86,8 @@ class CompareConfig:
 
     def __post_init__(self) -> None:
         for name in self.systems:
-            parse_system(name)  # ValueError naming the system
+            if parse_system(name).verifier_sm_percent < 100 and not self.cuda_mps:  # ValueError naming the system
+                raise ValueError(f"systems: {name!r} limits the verifier's SMs under MPS: needs --cuda-mps")
         checks = {"concurrencies": all(c >= 1 for c in self.concurrencies) and bool(self.concurrencies),
                   "max_tokens": self.max_tokens >= 1, "k": self.k >= 1, "m": self.m >= 1,
                   "requests_per_client": self.requests_per_client >= 1, "decode_steps": 1 <= self.decode_steps <= 64,
