@@ -177,7 +177,7 @@ class KChooser:
         neighbours = [k for k in (best - 1, best + 1) if 1 <= k <= self.max_k]
         if not neighbours or (num_calls + 1) % every:
             return best
-        unmeasured = [k for k in neighbours if k not in self.stats.cost.verify_by_k]
+        unmeasured = [k for k in neighbours if not self.stats.cost.is_measured(k)]
         return (unmeasured or neighbours)[(num_calls // every) % len(unmeasured or neighbours)]
 
     def goodput(self, num_requests: int, k: int, is_parallel: bool) -> float:

@@ -7,18 +7,27 @@ sum, so it follows load changes within a few dozen steps.
 Cost model (times in ms, measured by the engines: ``DraftResponse.draft_ms``,
 ``VerifyResponse.verify_ms``):
 
-- drafting k tokens for n requests runs k sequential draft forwards of n rows:
-  ``t_draft(n, k) = k * (c_d + d_d * n)``;
-- verifying n requests with k draft tokens each: one fit per k, linear in the rows,
-  ``t_verify(n, k) = a_k + b_k * n``, each aged by every Verify call (of any k) since its last
-  observation, so a k measured again after a load change is not outvoted by its stale past. Rows and draft positions are kept apart because they cost
+- drafting k tokens for n requests: one fit per k, linear in the rows,
+  ``t_draft(n, k) = c_k + d_k * n``. A Draft call is not k times one forward: vLLM's drafter
+  (``specdec.vllm_backend.draft``) admits its rows and runs a catch-up step before the k - 1
+  decode steps, and under CUDA MPS the call shares the GPU with the other batch's Verify. On the
+  H200 (BENCHMARKS.md, session 22) 32 rows took 20.6 ms at k = 1 and about 30 ms at k = 4; the
+  former model ``k * (c_d + d_d * n)`` predicted 82 ms for k = 4, so adaptive k settled at k = 1
+  (1896 tok/s at c = 64 against 2117 at a fixed k = 4).
+- verifying n requests with k draft tokens each: one fit per k, ``t_verify(n, k) = a_k + b_k * n``.
+  Rows and draft positions are kept apart because they cost
   differently: on the 2-core CPU of BENCHMARKS.md a verify of 4 rows cost 180 ms at k = 1 and
   175 ms at k = 4 (flat in k) but 92 ms for 1 row (steep in n); one fit over ``n * (k + 1)``
   positions mixed the two and predicted a steep growth in k, so adaptive k chose k = 1.
-  A k not measured yet is predicted from the measured ones: linearly between two, linearly
-  (slope >= 0) beyond the two nearest on one side (below them never under the share of the
-  positions, ``t(k0) * (k + 1) / (k0 + 1)``), flat when only one k was measured (the optimistic
-  guess; ``coordinator.adaptive`` explores neighbouring k to correct it).
+
+Each per-k fit is aged by every call (of any k) since its last observation, so a k measured
+again after a load change is not outvoted by its stale past (``FitsByK``). A k not measured yet
+is predicted from the measured ones: linearly between two, linearly (slope >= 0) beyond the two
+nearest on one side (below them never under the share of the work, ``t(k0) * w(k) / w(k0)``
+with w the positions ``k + 1`` of a verify, the forwards ``k`` of a draft); when only one k
+was measured, flat for a verify (the optimistic guess; ``coordinator.adaptive`` explores
+neighbouring k to correct it) and proportional to k for a draft (k forwards: the native
+drafter's call, and a guess that makes smaller k look cheap, so they get measured too).
 A verifier that is memory-bound (GPU, small batch) is flat in k; a compute-bound one grows in k
 as fast as in n: then every draft token costs as much as a decoded token, which is when
 speculation stops paying off (MineDraft paper §7, limits; Leviathan et al. 2023, §3.4).
@@ -176,36 +185,109 @@ class AcceptanceEstimate:
         return (self.num_accepted + self.prior_alpha * prior_weight) / total if total > 0 else self.prior_alpha
 
 
+class FitsByK:
+    """One ``LinearFit`` over rows n per k (module docstring: aging, unmeasured k).
+
+    Args:
+        decay: the fits' decay per observation.
+        work: the share of work of k (verify: positions ``k + 1``; draft: forwards ``k``).
+        is_one_k_proportional: with one k measured, predict other k in proportion to ``work``
+            (else flat).
+    """
+
+    def __init__(self, decay: float, work, is_one_k_proportional: bool) -> None:
+        self.decay, self._work, self._is_one_k_proportional = decay, work, is_one_k_proportional
+        self.fits: dict[int, LinearFit] = {}
+        self.num_calls = 0
+        self._last_call: dict[int, int] = {}  # k -> num_calls at its last observation
+
+    def __contains__(self, k: int) -> bool:
+        return k in self.fits
+
+    def __bool__(self) -> bool:
+        return bool(self.fits)
+
+    def observe(self, num_requests: int, k: int, ms: float) -> None:
+        self.num_calls += 1
+        age = self.num_calls - self._last_call.get(k, self.num_calls - 1)
+        self._last_call[k] = self.num_calls
+        self.fits.setdefault(k, LinearFit(self.decay)).observe(num_requests, ms, age)
+
+    def predict(self, num_requests: int, k: int) -> float:
+        """Predicted ms at n rows and k (0 before any observation)."""
+        if not self.fits:
+            return 0.0
+        if k in self.fits:
+            return self._at(k, num_requests)
+        seen = sorted(self.fits)
+        lower, upper = [s for s in seen if s < k], [s for s in seen if s > k]
+        if lower and upper:
+            return self._line(lower[-1], upper[0], num_requests, k)
+        if len(lower) >= 2:
+            return self._line(lower[-2], lower[-1], num_requests, k)
+        if len(upper) >= 2:
+            return max(self._line(upper[0], upper[1], num_requests, k), self._share(upper[0], num_requests, k))
+        only = (lower or upper)[0]
+        return self._share(only, num_requests, k) if self._is_one_k_proportional else self._at(only, num_requests)
+
+    def _share(self, k0: int, num_requests: int, k: int) -> float:
+        """The prediction at measured k0 scaled by the work of k (affine in work, a >= 0: a floor below k0)."""
+        return self._at(k0, num_requests) * self._work(k) / self._work(k0)
+
+    def _at(self, k: int, num_requests: int) -> float:
+        """The k fit at n rows; a fit that saw one n only takes the row slope of the most
+        observed fit that has one (rows cost about the same whatever k), else stays flat."""
+        fit = self.fits[k]
+        sloped = [other for other in self.fits.values() if other.has_slope]
+        if fit.has_slope or not sloped:
+            return fit.predict(num_requests)
+        _, slope = max(sloped, key=lambda other: other.weight).coefficients()
+        mean_x, mean_y = fit.mean_point
+        return max(mean_y + slope * (num_requests - mean_x), 0.0)
+
+    def _line(self, k0: int, k1: int, num_requests: int, k: int) -> float:
+        """Through the predictions at k0 < k1, slope in k clamped >= 0, value >= 0."""
+        y0, y1 = self._at(k0, num_requests), self._at(k1, num_requests)
+        slope = max((y1 - y0) / (k1 - k0), 0.0)
+        return max(y0 + slope * (k - k0), 0.0)
+
+
 class StepCostModel:
     """``t_draft(n, k)`` and ``t_verify(n, k)`` (ms) from measured engine times (module docstring)."""
 
     def __init__(self, decay: float = DEFAULT_DECAY) -> None:
         self.decay = decay
-        self.draft_per_forward = LinearFit(decay)  # ms per draft forward vs rows n
-        self.verify_by_k: dict[int, LinearFit] = {}  # k -> ms per verify call vs rows n
-        self.num_draft_calls = 0  # Draft calls observed (paces exploration in coordinator.adaptive)
-        self.num_verify_calls = 0
-        self._last_verify_call: dict[int, int] = {}  # k -> num_verify_calls at its last observation
+        self.draft_by_k = FitsByK(decay, work=lambda k: k, is_one_k_proportional=True)  # ms per Draft call
+        self.verify_by_k = FitsByK(decay, work=lambda k: k + 1, is_one_k_proportional=False)  # ms per Verify call
         self._overhead = LinearFit(decay)  # its decayed mean: ms of a step beyond its critical compute
+
+    @property
+    def num_draft_calls(self) -> int:
+        """Draft calls observed (paces exploration in ``coordinator.adaptive``)."""
+        return self.draft_by_k.num_calls
+
+    @property
+    def num_verify_calls(self) -> int:
+        return self.verify_by_k.num_calls
 
     @property
     def is_known(self) -> bool:
         """Both engines have been timed at least once."""
-        return self.draft_per_forward.is_known and bool(self.verify_by_k)
+        return bool(self.draft_by_k) and bool(self.verify_by_k)
+
+    def is_measured(self, k: int) -> bool:
+        """Whether both a Draft and a Verify call at this k were timed."""
+        return k in self.draft_by_k and k in self.verify_by_k
 
     def observe_draft(self, num_requests: int, k: int, draft_ms: float) -> None:
-        """One Draft call of ``k`` tokens for ``num_requests`` rows that took ``draft_ms``."""
+        """One Draft call of ``k`` tokens (its widest row) for ``num_requests`` rows that took ``draft_ms``."""
         if num_requests > 0 and k > 0:
-            self.num_draft_calls += 1
-            self.draft_per_forward.observe(num_requests, draft_ms / k)
+            self.draft_by_k.observe(num_requests, k, draft_ms)
 
     def observe_verify(self, num_requests: int, k: int, verify_ms: float) -> None:
         """One Verify call of ``num_requests`` rows with ``k`` draft tokens each (0: decode)."""
         if num_requests > 0 and k >= 0:
-            self.num_verify_calls += 1
-            age = self.num_verify_calls - self._last_verify_call.get(k, self.num_verify_calls - 1)
-            self._last_verify_call[k] = self.num_verify_calls
-            self.verify_by_k.setdefault(k, LinearFit(self.decay)).observe(num_requests, verify_ms, age)
+            self.verify_by_k.observe(num_requests, k, verify_ms)
 
     def observe_step(self, wall_ms: float, critical_ms: float) -> None:
         """One coordinator step of ``wall_ms`` whose engine compute on the critical path took
@@ -219,38 +301,9 @@ class StepCostModel:
         return self._overhead.mean_point[1]  # decayed mean; (0, 0) before any step
 
     def draft_ms(self, num_requests: int, k: int) -> float:
-        return k * self.draft_per_forward.predict(num_requests) if num_requests and k else 0.0
+        """Predicted ms of one Draft call (module docstring: measured k, else from neighbours)."""
+        return self.draft_by_k.predict(num_requests, k) if num_requests and k else 0.0
 
     def verify_ms(self, num_requests: int, k: int) -> float:
         """Predicted ms of one Verify call (module docstring: measured k, else from neighbours)."""
-        if not num_requests or not self.verify_by_k:
-            return 0.0
-        if k in self.verify_by_k:
-            return self._at(k, num_requests)
-        seen = sorted(self.verify_by_k)
-        lower, upper = [s for s in seen if s < k], [s for s in seen if s > k]
-        if lower and upper:
-            return self._line(lower[-1], upper[0], num_requests, k)
-        if len(lower) >= 2:
-            return self._line(lower[-2], lower[-1], num_requests, k)
-        if len(upper) >= 2:
-            floor = self._at(upper[0], num_requests) * (k + 1) / (upper[0] + 1)  # affine in positions, a >= 0
-            return max(self._line(upper[0], upper[1], num_requests, k), floor)
-        return self._at((lower or upper)[0], num_requests)
-
-    def _at(self, k: int, num_requests: int) -> float:
-        """The k fit at n rows; a fit that saw one n only takes the row slope of the most
-        observed fit that has one (rows cost about the same whatever k), else stays flat."""
-        fit = self.verify_by_k[k]
-        sloped = [other for other in self.verify_by_k.values() if other.has_slope]
-        if fit.has_slope or not sloped:
-            return fit.predict(num_requests)
-        _, slope = max(sloped, key=lambda other: other.weight).coefficients()
-        mean_x, mean_y = fit.mean_point
-        return max(mean_y + slope * (num_requests - mean_x), 0.0)
-
-    def _line(self, k0: int, k1: int, num_requests: int, k: int) -> float:
-        """Through the predictions at k0 < k1, slope in k clamped >= 0, value >= 0."""
-        y0, y1 = self._at(k0, num_requests), self._at(k1, num_requests)
-        slope = max((y1 - y0) / (k1 - k0), 0.0)
-        return max(y0 + slope * (k - k0), 0.0)
+        return self.verify_by_k.predict(num_requests, k) if num_requests else 0.0

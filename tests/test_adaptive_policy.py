@@ -86,6 +86,34 @@ def test_verify_fit_is_per_k_and_fills_unmeasured_k_from_neighbours() -> None:
     assert steep.num_draft_calls == 0 and not steep.is_known
 
 
+def test_draft_fit_is_per_k_and_keeps_a_call_s_fixed_part() -> None:
+    cost = StepCostModel(decay=0.95)
+    for n in (16, 32):
+        cost.observe_draft(n, 4, 12.0 + 0.3 * n + 4 * 2.0)
+    assert cost.draft_ms(32, 4) == pytest.approx(29.6)
+    assert cost.draft_ms(32, 2) == pytest.approx(14.8)   # one k measured: k forwards (proportional)
+    for n in (16, 32):
+        cost.observe_draft(n, 1, 12.0 + 0.3 * n + 1 * 2.0)
+    assert cost.draft_ms(32, 1) == pytest.approx(23.6)
+    assert cost.draft_ms(32, 2) == pytest.approx(25.6)   # between k = 1 and 4: the call's fixed part kept
+    assert cost.draft_ms(32, 6) == pytest.approx(33.6)   # beyond: the slope of the two nearest
+    assert cost.is_measured(4) is False                  # no Verify call at k = 4 yet
+    cost.observe_verify(32, 4, 12.0)
+    assert cost.is_measured(4) and cost.is_known
+
+
+def test_draft_calls_with_a_fixed_part_keep_k_large() -> None:
+    """The vLLM drafter on one H200 under MPS (BENCHMARKS.md, session 22): a Draft call of 32
+    rows is a fixed 17.5 ms (admission, catch-up step, the shared GPU) plus 3.1 ms a draft
+    token; verify 12 ms, 5 ms a step beyond the engines, alpha 0.7. Goodput per k: 1.70 / 25.6,
+    2.19 / 28.7, 2.53 / 31.8, 2.77 / 34.9 tokens per ms and row: k = 3 (k = 4 within 0.4%).
+    Modelled as k forwards of 20.6 ms at k = 1, k = 4 looked like 82 ms, and the loop stayed at k = 1."""
+    _, history = _simulate(lambda n, k: 17.5 + 3.1 * k, lambda n, k: 12.0, _batch(0.7, n=32), max_k=4,
+                           step_overhead_ms=5.0)
+    widths = [{"r0": max(ks.values())} for ks in history]
+    assert _settled_k(widths) in (3, 4)
+
+
 def test_flat_verify_grows_k_until_draft_time_reaches_verify_time() -> None:
     """Lemma 2: verify 180 ms whatever k (memory-bound), 9 ms per draft forward of 4 rows: psd
     settles on the largest k with t_draft <= t_verify's neighbourhood, here k = 8 of k_max 8
