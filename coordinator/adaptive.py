@@ -17,10 +17,11 @@ shorter draft saves: on the GPU of BENCHMARKS.md it was 3-4 ms of a 13 ms psd st
 it the choice drifted to k = 2-3 on verify-time noise while k = 4 committed more tokens per step.
 
 With t_verify flat in k (memory-bound verifier) the psd optimum sits where t_draft(k) reaches
-t_verify (Lemma 2); in sd it is the classic trade-off of Leviathan et al. 2023, §3.4. t_verify is
-fitted per k (``coordinator.cost_model``); a k never measured is predicted flat from its
-neighbours, so every ``explore_every_steps``-th Draft call drafts a neighbour of the best k
-(an unmeasured one first) to measure how verify time really grows in k.
+t_verify (Lemma 2); in sd it is the classic trade-off of Leviathan et al. 2023, §3.4. t_draft and
+t_verify are fitted per k (``coordinator.cost_model``: a Draft call has a fixed part besides its
+k forwards); a k never measured is predicted from its neighbours, so every
+``explore_every_steps``-th Draft call drafts a neighbour of the best k (an unmeasured one first)
+to measure how draft and verify time really grow in k.
 
 Per request (ragged rows: the engines take a per-row k_i in one Draft and one Verify call,
 ``DraftSeq.num_draft_tokens`` / ``VerifyRequest.num_draft_tokens``): request i of a batch at k
