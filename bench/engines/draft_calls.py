@@ -7,7 +7,8 @@ step's size; ``drafting-piecewise``: the same sizes with vLLM's default ``cudagr
 FULL_AND_PIECEWISE, piecewise graphs for the catch-up step; ``vllm-default``: vLLM's platform
 block size, 128 on CPU and 16 on CUDA, a step budget of ``max(max_model_len, max_num_seqs)`` and
 its default graphs, FULL_AND_PIECEWISE up to ``2 x max_num_seqs`` tokens, the drafter before
-session 20); then at each ``--rows`` n, the set-ups in turn: n requests with prompts of 8 + 5 i tokens are
+session 20); then at each ``--rows`` n, the set-ups in turn: n requests with prompts of P + 5 i tokens
+(``--prompt-tokens`` P, 8 by default; the stack's Spec-Bench prompts average a few hundred) are
 admitted, and ``--num-calls`` draft calls of k tokens follow, each after committing 1 to k + 1
 random tokens per row (the tokens a verify step commits). Per call: wall ms, engine steps, ms in
 ``LLMEngine.add_request`` and in ``LLMEngine.step``, the first step's ms (the catch-up) and the
@@ -43,6 +44,9 @@ def _parse(argv):
     p.add_argument("--num-calls", type=int, default=20)
     p.add_argument("--num-warmup", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--prompt-tokens", type=int, default=8, help="row i's prompt: this many + 5 i tokens")
+    p.add_argument("--slots", type=int, default=0, help="the engines' max_num_seqs (0: the largest --rows; "
+                   "the stack's psd drafter has 2m, its sd drafter 4m)")
     p.add_argument("--kv-cache-space-gib", type=float, default=1.0, help="CPU: the KV cache's size")
     p.add_argument("--setups", default="drafting,vllm-default", help=f"comma-separated, from {SETUPS} "
                    "(drafting-piecewise: CUDA only)")
@@ -53,6 +57,13 @@ def _parse(argv):
     a.setups = a.setups.split(",")
     if bad := [s for s in a.setups if s not in SETUPS]:
         p.error(f"--setups: unknown {bad}, choose from {SETUPS}")
+    longest = a.prompt_tokens + 5 * (max(a.rows) - 1) + (a.num_warmup + a.num_calls) * (a.k + 1) + a.k
+    if a.slots and a.slots < max(a.rows):
+        p.error(f"--slots: must be >= the largest --rows ({max(a.rows)}), got {a.slots}")
+    a.slots = a.slots or max(a.rows)
+    if a.prompt_tokens < 1 or longest > a.max_model_len:
+        p.error(f"--prompt-tokens: must be >= 1, and the longest row ({longest} tokens after every call) "
+                f"must fit --max-model-len {a.max_model_len}")
     return a
 
 
@@ -116,7 +127,7 @@ def _measure(a, worker, timed: _Timed, n: int, seed: int) -> dict:
     from specdec.sample.sampling import SamplingParams
 
     rng, greedy = random.Random(seed), SamplingParams(temperature=0.0, seed=0)
-    seqs = {f"n{n}-r{i}": [rng.randrange(3, 1000) for _ in range(8 + 5 * i)] for i in range(n)}
+    seqs = {f"n{n}-r{i}": [rng.randrange(3, 1000) for _ in range(a.prompt_tokens + 5 * i)] for i in range(n)}
     worker.add_requests([(rid, seq, greedy) for rid, seq in seqs.items()])
     ids, ms, drafts = list(seqs), [], []
     try:
@@ -169,7 +180,8 @@ def _decode_step_ms(a, engine, n: int, rng: random.Random) -> float:
     names = [f"floor-n{n}-r{i}" for i in range(n)]
     for i, name in enumerate(names):   # one params object per request (to_vllm_sampling's skip_clone)
         params = to_vllm_sampling(SamplingParams(temperature=0.0, seed=0), warmup + steps, with_logprobs=False)
-        engine.add_request(name, {"prompt_token_ids": [rng.randrange(3, 1000) for _ in range(8 + 5 * i)]}, params)
+        prompt = [rng.randrange(3, 1000) for _ in range(a.prompt_tokens + 5 * i)]
+        engine.add_request(name, {"prompt_token_ids": prompt}, params)
     pending, ms = set(names), []
     while pending:
         t = time.perf_counter()
@@ -209,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         allow_another_capture()
         t = time.perf_counter()
         try:
-            workers[setup] = VllmDraftWorker(_config(a, setup, model, load_format, max(a.rows)), seed=0)
+            workers[setup] = VllmDraftWorker(_config(a, setup, model, load_format, a.slots), seed=0)
         except Exception as exc:   # a set-up vLLM refuses (e.g. a CUDA-graph mode) is reported, the others run
             failures[setup] = f"{type(exc).__name__}: {exc}"
             print("DRAFT_CALLS failed", setup, failures[setup], flush=True)
@@ -233,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": "python -m bench.engines.draft_calls " + " ".join(argv if argv is not None else sys.argv[1:]),
             "device": a.device, "dtype": a.dtype, "draft": a.draft, "k": a.k, "num_calls": a.num_calls,
             "num_warmup": a.num_warmup, "max_model_len": a.max_model_len, "enforce_eager": a.enforce_eager,
+            "prompt_tokens": a.prompt_tokens, "slots": a.slots,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     os.makedirs(a.out_dir, exist_ok=True)
     with open(os.path.join(a.out_dir, "results.json"), "w") as f:

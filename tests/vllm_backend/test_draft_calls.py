@@ -31,3 +31,25 @@ def test_both_setups_run_and_only_the_drafting_one_takes_k_steps_per_call(tmp_pa
     assert [points["drafting", n]["drafts_equal_to_first_setup"] for n in (2, 24)] == [1.0, 1.0]
     assert min(points["vllm-default", n]["drafts_equal_to_first_setup"] for n in (2, 24)) >= 0.9
     assert "| 32 | 1152 | None | 24 |" in (tmp_path / "out" / "results.md").read_text()
+
+
+@pytest.mark.parametrize("prompt_tokens, max_model_len, fits", [(8, 256, True), (100, 256, True), (122, 256, True), (123, 256, False),
+                                                                 (0, 256, False)])
+def test_prompt_tokens_must_leave_every_row_room_for_its_calls(prompt_tokens, max_model_len, fits, capsys) -> None:
+    argv = ["--device", "cpu", "--draft", "random:tiny-llama-hd64", "--rows", "2,24", "--k", "3", "--num-calls", "3",
+            "--num-warmup", "1", "--max-model-len", str(max_model_len), "--prompt-tokens", str(prompt_tokens),
+            "--out-dir", "x"]
+    if fits:   # the longest row: P + 5 x 23 + 4 calls x 4 tokens + k
+        assert draft_calls._parse(argv).prompt_tokens == prompt_tokens
+        return
+    with pytest.raises(SystemExit):
+        draft_calls._parse(argv)
+    assert "--prompt-tokens" in capsys.readouterr().err
+
+
+def test_slots_default_to_the_largest_row_count_and_may_not_be_fewer(capsys) -> None:
+    argv = ["--device", "cpu", "--draft", "random:tiny-llama-hd64", "--rows", "2,24", "--out-dir", "x"]
+    assert draft_calls._parse(argv).slots == 24 and draft_calls._parse(argv + ["--slots", "64"]).slots == 64
+    with pytest.raises(SystemExit):
+        draft_calls._parse(argv + ["--slots", "16"])
+    assert "--slots" in capsys.readouterr().err
