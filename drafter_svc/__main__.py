@@ -36,9 +36,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "its tokenizer is checked against the draft's")
     parser.add_argument("--max-buffered-steps", type=int, default=8,
                         help="dist/ipc plane: drafted steps kept for the verifier's fetch")
+    parser.add_argument("--draft-sessions", action="store_true",
+                        help="--engine vllm: keep each request's draft request resident in vLLM (a resumable "
+                             "session rolled back to what the verifier kept) instead of one new request per "
+                             "draft call (specdec.vllm_backend.draft_sessions; prefix caching off)")
     add_common_args(parser, DEFAULT_PORT)
     args = parser.parse_args(argv)
     check_common_args(parser, args)
+    if args.draft_sessions and args.engine != "vllm":
+        parser.error("--draft-sessions: only with --engine vllm")
     return args
 
 
@@ -95,16 +101,21 @@ def load_worker(args: argparse.Namespace):
 
 
 def _load_vllm_worker(args: argparse.Namespace):
-    """``VllmDraftWorker`` (a MineDraft draft dir is exported to a standalone HF dir first)."""
+    """``VllmDraftWorker``, or ``VllmSessionDraftWorker`` with ``--draft-sessions`` (a MineDraft
+    draft dir is exported to a standalone HF dir first)."""
     from engine_svc.service import vllm_engine_config
     from specdec.config import ModelConfig
     from specdec.models.resolve import resolve_model_dir
     from specdec.vllm_backend.draft import VllmDraftWorker
+    from specdec.vllm_backend.draft_sessions import VllmSessionDraftWorker
     from specdec.vllm_backend.models import resolve_vllm_model
 
     target_dir = None if args.model is None else resolve_model_dir(ModelConfig(model=args.model))
     draft_dir, load_format = resolve_vllm_model(args.draft, target_dir)
     target_vocab_size = _target_vocab_size(args, draft_dir)
+    if args.draft_sessions:
+        cfg = vllm_engine_config(args, draft_dir, load_format, enable_prefix_caching=False)
+        return VllmSessionDraftWorker(cfg, target_vocab_size, seed=args.seed)
     return VllmDraftWorker(vllm_engine_config(args, draft_dir, load_format), target_vocab_size, seed=args.seed)
 
 

@@ -64,6 +64,8 @@ def vllm_service_args(cfg, role: str, model_dir: str) -> list[str]:
     if role == "verifier":
         k = 0 if cfg.mode == "ar" else cfg.num_speculative_tokens
         args += ["--tensor-parallel-size", str(cfg.tensor_parallel_size), "--num-speculative-tokens", str(k)]
+    elif cfg.draft_sessions:
+        args.append("--draft-sessions")
     return args
 
 

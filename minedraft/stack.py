@@ -87,6 +87,8 @@ class StackConfig:
             (``minedraft.engine_backend``); engine_python: the Python of vLLM engines ("" = found).
         gpu_memory_utilization: vLLM verifier's share of its GPU (None: ``engine_backend``'s default).
         enforce_eager: vLLM engines without torch.compile / CUDA graphs.
+        draft_sessions: the vLLM drafter keeps each request's draft request resident
+            (``--draft-sessions``; ``specdec.vllm_backend.draft_sessions``).
         api_key: the gateway's API key ("" = the gateway's default, ``$MINEDRAFT_API_KEY`` if set);
             passed in the gateway's environment, not on its command line.
         max_queue_len: the coordinator's waiting-request limit; grace_s: drain seconds on SIGTERM
@@ -135,6 +137,7 @@ class StackConfig:
     engine_python: str = ""
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
+    draft_sessions: bool = False
     api_key: str = ""
     max_queue_len: int = 1024
     grace_s: float = 5.0
@@ -174,6 +177,7 @@ class StackConfig:
             "gpu_memory_utilization": (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
                                        "must be in (0, 1]"),
         }
+        checks["draft_sessions"] = (not self.draft_sessions or self.engine == "vllm", "needs --engine vllm")
         if self.engine == "vllm":
             checks["data_plane"] = (self.data_plane == "inline", "must be inline with --engine vllm (only "
                                     "draft token ids travel: vLLM's rejection sampler needs no draft probs)")

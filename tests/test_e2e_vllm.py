@@ -10,7 +10,8 @@ mode-agnostic, as ``bench/gpu/gpu_stack.py`` uses them). Checked: greedy psd and
 ar's with more than 2m concurrent requests of different lengths; an abort mid-stream frees the
 slots of both engines; a stop token id inside an accepted block; seeded sampled requests repeat
 whatever shares the batch; the drafter killed mid-run falls back to ar and every stream completes
-with the ar output (last: it leaves the psd stack without a drafter).
+with the ar output (last: it leaves the psd stack without a drafter); and psd with the drafter's
+resident draft sessions (``--draft-sessions``, a third stack start) equals ar too.
 """
 from __future__ import annotations
 
@@ -100,6 +101,19 @@ def test_psd_output_equals_ar_at_temperature_0(ar_reference, psd_stack):  # ar's
     assert 0 < status.num_accepted_tokens < status.num_draft_tokens   # drafts partly accepted
     assert len(results) == NUM_REQUESTS > 2 * M and len({len(o) for o in ar_reference["chat"]}) > 1
     assert [r.token_ids for r in results] == ar_reference["chat"]
+
+
+def test_psd_with_resident_draft_sessions_equals_ar_at_temperature_0(ar_reference, model_dirs, tmp_path):
+    """``--draft-sessions``: the drafter keeps one resumable vLLM request per request; greedy
+    outputs still equal ar's, drafts are partly accepted, and every slot of both engines is free
+    afterwards (the sessions released with their requests)."""
+    cfg = dataclasses.replace(_vllm_config("psd", model_dirs, str(tmp_path)), draft_sessions=True)
+    with Stack(cfg) as stack:
+        stack.start(model_dirs[0], log=lambda line: None)
+        results, status = _generate_all(stack.cfg), _status(stack.cfg)
+        assert status.effective_mode == "psd" and 0 < status.num_accepted_tokens < status.num_draft_tokens
+        assert [r.token_ids for r in results] == ar_reference["chat"]
+        _wait_slots_free(stack.cfg)
 
 
 def test_sd_output_equals_ar_at_temperature_0(psd_stack, model_dirs, ar_reference, tmp_path):

@@ -115,3 +115,20 @@ def test_vllm_services_refuse_native_tp_flags_before_serving(capsys):
     os.environ.pop("WORLD_SIZE", None)
     args = parse_args(["--engine", "vllm", "--tensor-parallel-size", "2", "--num-speculative-tokens", "0"])
     assert args.engine == "vllm" and args.num_speculative_tokens == 0
+
+
+def test_draft_sessions_reach_only_the_vllm_drafter_and_need_the_vllm_engine(capsys):
+    from drafter_svc.__main__ import parse_args
+    from minedraft.cli import build_parser, stack_config
+
+    specs = _specs(mode="psd", draft_sessions=True)
+    assert "--draft-sessions" in specs["drafter"].argv and "--draft-sessions" not in specs["verifier"].argv
+    assert "--draft-sessions" not in _specs(mode="psd")["drafter"].argv
+    up = build_parser().parse_args(["up", "--engine", "vllm", "--draft-sessions"])
+    assert stack_config(up, "psd").draft_sessions
+    with pytest.raises(ValueError, match="draft_sessions"):
+        StackConfig(draft_sessions=True)   # the native engine keeps its drafts resident anyway
+    assert parse_args(["--draft", "/d", "--engine", "vllm", "--draft-sessions"]).draft_sessions
+    with pytest.raises(SystemExit):
+        parse_args(["--draft", "/d", "--draft-sessions"])
+    assert "--draft-sessions: only with --engine vllm" in capsys.readouterr().err

@@ -30,6 +30,8 @@ SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, inte
     ("auto-vllm", SystemName("ours", "auto", "vllm", adaptive_k=True)),
     ("psd-vllm-adaptive", SystemName("ours", "psd", "vllm", adaptive_k=True)),
     ("psd-vllm-vsm70", SystemName("ours", "psd", "vllm", verifier_sm_percent=70)),
+    ("psd-vllm-adaptive-ses-vsm70", SystemName("ours", "psd", "vllm", adaptive_k=True, draft_sessions=True,
+                                               verifier_sm_percent=70)),
     ("sd-vllm-ds1-adaptive-vsm100", SystemName("ours", "sd", "vllm", decode_steps=1, adaptive_k=True)),
     ("ar-vllm-ds16", SystemName("ours", "ar", "vllm", decode_steps=16)),
     ("psd-native-ds1", SystemName("ours", "psd", "native", decode_steps=1)),
@@ -44,7 +46,8 @@ def test_parse_system_reads_every_form(name, expected):
 @pytest.mark.parametrize("name", ["vllm-sd-k0", "vllm-sd", "vllm-sd-kx", "vllm-psd", "psd", "psd-tgi", "xyz-vllm", "",
                                   "ar-vllm-ds0", "ar-vllm-ds65", "vllm-ar-ds8", "ar-vllm-dsx", "ar-vllm-si0",
                                   "ar-vllm-si65", "ar-vllm-si4-block", "ar-vllm-block-ds8", "ar-vllm-si4-ds8",
-                                  "psd-vllm-vsm0", "psd-vllm-vsm101", "psd-vllm-vsm70-adaptive", "vllm-sd-k3-adaptive"])
+                                  "psd-vllm-vsm0", "psd-vllm-vsm101", "psd-vllm-vsm70-adaptive", "vllm-sd-k3-adaptive",
+                                  "psd-vllm-ses-adaptive", "vllm-ar-ses"])
 def test_parse_system_refuses_unknown_names_naming_them(name):
     with pytest.raises(ValueError, match=f"unknown system '{name}'"):
         parse_system(name)
@@ -52,7 +55,7 @@ def test_parse_system_refuses_unknown_names_naming_them(name):
         CompareConfig(out_dir="x", systems=("vllm-ar", name))
 
 
-@pytest.mark.parametrize("name", ["psd-vllm", "psd-vllm-adaptive", "auto-vllm", "sd-native-ds8-vsm60"])
+@pytest.mark.parametrize("name", ["psd-vllm", "psd-vllm-adaptive", "auto-vllm", "sd-native-ds8-vsm60", "sd-vllm-ses"])
 def test_our_stack_config_carries_the_k_policy_and_the_verifier_sm_share(name, tmp_path):
     from bench.engines.compare_systems import our_stack_config
     from minedraft.placement import MPS_SM_ENV
@@ -66,6 +69,7 @@ def test_our_stack_config_carries_the_k_policy_and_the_verifier_sm_share(name, t
     assert (stack.mode, stack.engine, stack.num_speculative_tokens) == (system.mode, system.engine, 3)
     assert stack.max_num_seqs == (4 if system.mode in ("psd", "auto") else 8)
     assert verifier_spec(stack, "/m").env.get(MPS_SM_ENV) == ("60" if "vsm60" in name else None)
+    assert stack.draft_sessions == name.endswith("-ses")
     if "vsm" in name:
         with pytest.raises(ValueError, match="needs --cuda-mps"):
             CompareConfig(out_dir="x", systems=(name,))

@@ -7,7 +7,8 @@ step's size; ``drafting-piecewise``: the same sizes with vLLM's default ``cudagr
 FULL_AND_PIECEWISE, piecewise graphs for the catch-up step; ``vllm-default``: vLLM's platform
 block size, 128 on CPU and 16 on CUDA, a step budget of ``max(max_model_len, max_num_seqs)`` and
 its default graphs, FULL_AND_PIECEWISE up to ``2 x max_num_seqs`` tokens, the drafter before
-session 20); then at each ``--rows`` n, the set-ups in turn: n requests with prompts of P + 5 i tokens
+session 20; ``sessions``: ``drafting``'s engine without prefix caching behind
+``VllmSessionDraftWorker``, resident draft requests); then at each ``--rows`` n, the set-ups in turn: n requests with prompts of P + 5 i tokens
 (``--prompt-tokens`` P, 8 by default; the stack's Spec-Bench prompts average a few hundred) are
 admitted, and ``--num-calls`` draft calls of k tokens follow, each after committing 1 to k + 1
 random tokens per row (the tokens a verify step commits). Per call: wall ms, engine steps, ms in
@@ -24,6 +25,7 @@ committed tokens, greedy: a graph mode that computed wrongly would show here). W
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import json
 import os
@@ -31,7 +33,7 @@ import random
 import sys
 import time
 
-SETUPS = ("drafting", "drafting-piecewise", "vllm-default")
+SETUPS = ("drafting", "drafting-piecewise", "vllm-default", "sessions")
 
 
 def _parse(argv):
@@ -45,6 +47,9 @@ def _parse(argv):
     p.add_argument("--num-warmup", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--prompt-tokens", type=int, default=8, help="row i's prompt: this many + 5 i tokens")
+    p.add_argument("--profile", action="store_true", help="cProfile the timed calls: ms per call in vLLM's "
+                   "admission, scheduling, KV-cache bookkeeping and model run (results.json, profile_ms_per_call; "
+                   "the profiled calls run slower by cProfile's overhead)")
     p.add_argument("--slots", type=int, default=0, help="the engines' max_num_seqs (0: the largest --rows; "
                    "the stack's psd drafter has 2m, its sd drafter 4m)")
     p.add_argument("--kv-cache-space-gib", type=float, default=1.0, help="CPU: the KV cache's size")
@@ -120,7 +125,30 @@ def _config(a, setup: str, model: str, load_format: str, max_num_seqs: int):
             cudagraph_mode=VLLM_CUDAGRAPH_MODE if on_cuda else None)
     if setup == "drafting-piecewise":
         return dataclasses.replace(cfg, cudagraph_mode=VLLM_CUDAGRAPH_MODE)
+    if setup == "sessions":
+        return dataclasses.replace(cfg, enable_prefix_caching=False)
     return cfg
+
+
+PROFILED = (   # (file suffix, function): where a draft call's time goes inside vLLM (0.24 and 0.32 alike)
+    ("v1/engine/llm_engine.py", "add_request"), ("v1/request.py", "__init__"),
+    ("v1/core/sched/scheduler.py", "schedule"), ("v1/core/kv_cache_manager.py", "get_computed_blocks"),
+    ("v1/core/kv_cache_manager.py", "allocate_slots"), ("v1/core/kv_cache_manager.py", "free"),
+    ("v1/core/sched/scheduler.py", "update_from_output"), ("v1/worker/gpu_model_runner.py", "execute_model"),
+    ("v1/worker/gpu_model_runner.py", "_model_forward"))
+
+
+def _profiled_ms(profile, num_calls: int) -> dict[str, float]:
+    """Cumulative ms per call of each ``PROFILED`` function (absent ones left out)."""
+    import pstats
+
+    totals: dict[str, float] = {}
+    for (path, _, name), (_, _, _, cumulative, _) in pstats.Stats(profile).stats.items():
+        for suffix, function in PROFILED:
+            if name == function and path.endswith(suffix):
+                key = f"{suffix.rsplit('/', 1)[-1]}:{function}"
+                totals[key] = totals.get(key, 0.0) + cumulative * 1e3 / num_calls
+    return totals
 
 
 def _measure(a, worker, timed: _Timed, n: int, seed: int) -> dict:
@@ -130,6 +158,7 @@ def _measure(a, worker, timed: _Timed, n: int, seed: int) -> dict:
     seqs = {f"n{n}-r{i}": [rng.randrange(3, 1000) for _ in range(a.prompt_tokens + 5 * i)] for i in range(n)}
     worker.add_requests([(rid, seq, greedy) for rid, seq in seqs.items()])
     ids, ms, drafts = list(seqs), [], []
+    profile = cProfile.Profile() if a.profile else None
     try:
         for call in range(a.num_warmup + a.num_calls):
             committed = []
@@ -139,6 +168,8 @@ def _measure(a, worker, timed: _Timed, n: int, seed: int) -> dict:
                 committed.append((start, seqs[rid][start:]))
             if call == a.num_warmup:
                 timed.reset()
+            if profile is not None and call == a.num_warmup:
+                profile.enable()
             t = time.perf_counter()
             rows, _ = worker.draft(ids, committed, a.k)
             drafts += rows
@@ -146,15 +177,18 @@ def _measure(a, worker, timed: _Timed, n: int, seed: int) -> dict:
                 ms.append((time.perf_counter() - t) * 1e3)
                 timed.end_call()
     finally:
+        if profile is not None:
+            profile.disable()
         for rid in ids:
             worker.release(rid)
     calls = len(ms)
+    profiled = {"profile_ms_per_call": _profiled_ms(profile, calls)} if profile is not None else {}
     return {"rows": n, "k": a.k, "ms_per_call": sum(ms) / calls, "ms_per_call_min": min(ms),
             "steps_per_call": timed.calls["step"] / calls,
             "add_request_ms_per_call": timed.seconds["add_request"] * 1e3 / calls,
             "step_ms_per_call": timed.seconds["step"] * 1e3 / calls,
             "first_step_ms": _mean(timed.first_step_ms), "later_step_ms": _mean(timed.later_step_ms),
-            "decode_step_ms": _decode_step_ms(a, worker.engine, n, rng), "drafts": drafts}
+            "decode_step_ms": _decode_step_ms(a, worker.engine, n, rng), "drafts": drafts, **profiled}
 
 
 def _agreement(drafts: list[list[int]], reference: list[list[int]]) -> float:
@@ -213,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     a = _parse(argv)
     from bench.engines.vllm_backend_smoke import allow_another_capture
     from specdec.vllm_backend.draft import VllmDraftWorker
+    from specdec.vllm_backend.draft_sessions import VllmSessionDraftWorker
     from specdec.vllm_backend.models import resolve_vllm_model
 
     model, load_format = resolve_vllm_model(a.draft)
@@ -221,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         allow_another_capture()
         t = time.perf_counter()
         try:
-            workers[setup] = VllmDraftWorker(_config(a, setup, model, load_format, a.slots), seed=0)
+            worker_cls = VllmSessionDraftWorker if setup == "sessions" else VllmDraftWorker
+            workers[setup] = worker_cls(_config(a, setup, model, load_format, a.slots), seed=0)
         except Exception as exc:   # a set-up vLLM refuses (e.g. a CUDA-graph mode) is reported, the others run
             failures[setup] = f"{type(exc).__name__}: {exc}"
             print("DRAFT_CALLS failed", setup, failures[setup], flush=True)

@@ -93,8 +93,7 @@ class VllmDraftWorker:
 
     def __init__(self, cfg: VllmEngineConfig, target_vocab_size: int | None = None, seed: int | None = None,
                  engine=None) -> None:
-        if not cfg.enable_prefix_caching:
-            raise ValueError("enable_prefix_caching: the vLLM drafter needs it on (its catch-up reuses cached KV)")
+        self._check_caching(cfg)
         self.cfg = cfg = drafting_config(cfg)
         self.engine = engine if engine is not None else build_engine(cfg)
         self._facts = engine_facts(self.engine, cfg)
@@ -103,6 +102,11 @@ class VllmDraftWorker:
         self._requests: dict[str, _DraftRequest] = {}
         self._seed_source = random.Random(seed)
         self._num_calls = 0
+
+    @staticmethod
+    def _check_caching(cfg: VllmEngineConfig) -> None:
+        if not cfg.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching: the vLLM drafter needs it on (its catch-up reuses cached KV)")
 
     def facts(self) -> EngineFacts:
         return self._facts.with_free_slots(self.cfg.max_num_seqs - len(self._requests))
@@ -128,8 +132,12 @@ class VllmDraftWorker:
                 raise CapacityError(f"prompt of {rid!r} has {len(prompt)} tokens; max_model_len is {self.cfg.max_model_len}")
             self._check_ids(rid, prompt)
         new = {rid: _DraftRequest(list(prompt), params, self._request_seed(params)) for rid, prompt, params in items}
-        self._generate({rid: (req.committed, req.params, 1, req.seed) for rid, req in new.items()})
+        self._admit(new)
         self._requests.update(new)
+
+    def _admit(self, new: dict[str, "_DraftRequest"]) -> None:
+        """Prefill the new requests' prompts (here: into the prefix cache, one token sampled)."""
+        self._generate({rid: (req.committed, req.params, 1, req.seed) for rid, req in new.items()})
 
     def _request_seed(self, params: SamplingParams) -> int:
         return params.seed if params.seed is not None else self._seed_source.getrandbits(_SEED_BITS)
@@ -171,8 +179,12 @@ class VllmDraftWorker:
             state.committed = sequence
         jobs = {rid: (s.committed, s.params, k_i, _call_seed(s.seed, len(s.committed)))
                 for rid, s, k_i in zip(request_ids, states, ks) if k_i > 0}
-        drafted = self._generate(jobs) if jobs else {}
+        drafted = self._run_drafts(jobs) if jobs else {}
         return [drafted.get(rid, []) for rid in request_ids], None
+
+    def _run_drafts(self, jobs: dict[str, tuple[list[int], SamplingParams, int, int]]) -> dict[str, list[int]]:
+        """{request id: its k_i draft tokens} for ``jobs`` of (committed tokens, params, k_i, seed)."""
+        return self._generate(jobs)
 
     def _generate(self, jobs: dict[str, tuple[list[int], SamplingParams, int, int]]) -> dict[str, list[int]]:
         """{request id: the ``n`` tokens vLLM samples after ``tokens``} for ``jobs`` of

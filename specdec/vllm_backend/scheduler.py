@@ -23,6 +23,11 @@ would run every running request each step; this one runs only ``step.request_ids
   ``join`` names more requests during a multi-step call (``specdec.vllm_backend.joining``):
   their prefill runs beside the decode rows' next step, then they decode with them.
 
+The drafter's resident draft sessions (``specdec.vllm_backend.draft_sessions``) are vLLM's
+resumable requests ("streaming input" sessions: a request that, once it has sampled its
+``max_tokens``, waits with its KV blocks for its next input chunk); ``resume_session`` first rolls
+one back to the tokens the verifier kept, then hands it its next chunk.
+
 The KV cache is sized at start-up for ``max_num_seqs x max_model_len`` tokens
 (``specdec.vllm_backend.engine``), so a step never preempts; a preemption would drop a paused
 request's KV, and raises ``RuntimeError`` instead of passing silently.
@@ -32,8 +37,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import time
+
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus, StreamingUpdate
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,34 @@ class PsdSchedulerMixin:
         step = self.psd_step
         self.psd_step = replace(step, request_ids=step.request_ids | frozenset(quotas),
                                 num_steps_of={**step.num_steps_of, **quotas})
+
+    def resume_session(self, request_id: str, num_kept: int, new_token_ids: list[int], max_tokens: int,
+                       sampling_params) -> None:
+        """Resume the resumable request ``request_id`` (waiting for its next input chunk): keep
+        its first ``num_kept`` tokens and their KV, drop the rest (draft tokens the verifier
+        rejected; their KV slots are written again), append ``new_token_ids`` and sample
+        ``max_tokens`` tokens with ``sampling_params``. vLLM's own session update
+        (``_update_request_as_session``) keeps every computed token; the roll-back before it is
+        ours. Needs prefix caching off (a kept block's rewritten slots must not be shared).
+
+        Raises:
+            RuntimeError: the request is not waiting for input. ValueError: ``num_kept`` is
+                outside [0, computed tokens], or no new token (a chunk must compute one).
+        """
+        request = self.requests[request_id]
+        if request.status != RequestStatus.WAITING_FOR_STREAMING_REQ:
+            raise RuntimeError(f"draft session {request_id!r} is {request.status.name}, not waiting for input")
+        if not 0 <= num_kept <= request.num_computed_tokens or not new_token_ids:
+            raise ValueError(f"num_kept {num_kept} outside [0, {request.num_computed_tokens}] or no new token")
+        del request._all_token_ids[num_kept:]
+        if num_kept < request.num_prompt_tokens:
+            del request.prompt_token_ids[num_kept:]
+            request.num_prompt_tokens = num_kept
+        request.num_computed_tokens = num_kept
+        request.max_tokens = max_tokens   # vLLM 0.24's session update keeps the first chunk's
+        self._update_request_as_session(request, StreamingUpdate(
+            mm_features=None, prompt_token_ids=list(new_token_ids), max_tokens=max_tokens, arrival_time=time.time(),
+            sampling_params=sampling_params))
 
     def schedule(self, *args, **kwargs):
         step = self.psd_step

@@ -31,6 +31,20 @@ def test_both_setups_run_and_only_the_drafting_one_takes_k_steps_per_call(tmp_pa
     assert [points["drafting", n]["drafts_equal_to_first_setup"] for n in (2, 24)] == [1.0, 1.0]
     assert min(points["vllm-default", n]["drafts_equal_to_first_setup"] for n in (2, 24)) >= 0.9
     assert "| 32 | 1152 | None | 24 |" in (tmp_path / "out" / "results.md").read_text()
+    assert all("profile_ms_per_call" not in r for r in result["rows"])   # only with --profile
+
+
+def test_profile_splits_a_call_into_vllm_s_parts(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MINEDRAFT_CACHE", str(tmp_path / "cache"))
+    assert draft_calls.main(["--device", "cpu", "--dtype", "float32", "--draft", "random:tiny-llama-hd64",
+                             "--enforce-eager", "--rows", "8", "--k", "3", "--num-calls", "3", "--num-warmup", "1",
+                             "--max-model-len", "256", "--setups", "drafting", "--profile",
+                             "--out-dir", str(tmp_path / "out")]) == 0
+    (row,) = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+    parts = row["profile_ms_per_call"]
+    for name in ("llm_engine.py:add_request", "scheduler.py:schedule", "gpu_model_runner.py:execute_model"):
+        assert 0 < parts[name] < row["ms_per_call"] * 1.5, (name, parts)   # cProfile's own overhead aside
+    assert parts["gpu_model_runner.py:_model_forward"] < parts["gpu_model_runner.py:execute_model"]
 
 
 @pytest.mark.parametrize("prompt_tokens, max_model_len, fits", [(8, 256, True), (100, 256, True), (122, 256, True), (123, 256, False),
@@ -53,3 +67,14 @@ def test_slots_default_to_the_largest_row_count_and_may_not_be_fewer(capsys) -> 
     with pytest.raises(SystemExit):
         draft_calls._parse(argv + ["--slots", "16"])
     assert "--slots" in capsys.readouterr().err
+
+
+def test_the_sessions_setup_drafts_what_drafting_does_without_admitting_rows(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MINEDRAFT_CACHE", str(tmp_path / "cache"))
+    assert draft_calls.main(["--device", "cpu", "--dtype", "float32", "--draft", "random:tiny-llama-hd64",
+                             "--enforce-eager", "--rows", "8", "--k", "3", "--num-calls", "3", "--num-warmup", "1",
+                             "--max-model-len", "512", "--prompt-tokens", "200", "--setups", "drafting,sessions",
+                             "--out-dir", str(tmp_path / "out")]) == 0
+    rows = {r["setup"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())["rows"]}
+    assert rows["sessions"]["add_request_ms_per_call"] == 0 < rows["drafting"]["add_request_ms_per_call"]
+    assert rows["sessions"]["steps_per_call"] == 3.0 and rows["sessions"]["drafts_equal_to_first_setup"] == 1.0
