@@ -3,9 +3,9 @@
 ``VllmDraftWorker`` admits one fresh vLLM request per row and draft call, so every call pays
 vLLM's admission of each row's whole context (its block hashes, the prefix-cache lookup, the
 block allocation and, at the end, the blocks' release: work that grows with the context) and
-recomputes each row's uncached last partial KV block. On this CPU (``bench.engines.draft_calls
---profile``, BENCHMARKS.md session 22) a 32-row call with contexts of about 700 tokens spent
-12.5 ms in ``add_request`` and 13.5 ms in scheduling, against 5.3 and 7.6 ms at about 90 tokens.
+recomputes each row's uncached last partial KV block. On this CPU (``bench.engines.draft_calls``,
+BENCHMARKS.md session 22) a 16-row call of a SmolLM2-135M-shape draft with 400-token contexts took
+787 ms that way (523 in its catch-up step) and 388 ms (156) with sessions.
 
 Here each row is one resumable vLLM request for the whole life of the request (vLLM's
 "streaming input" sessions: once a request has sampled its ``max_tokens`` it waits, KV blocks
