@@ -28,7 +28,9 @@ if [ ! -f $SITE/.installed ]; then
   touch $SITE/.installed
 fi
 # staged: too big to travel with the tree (a checkout sent without it can leave an empty dir behind)
-[ -f drafts/smollm2-135m-instruct/config.json ] || { mkdir -p drafts && cp -r /root/stage/x/drafts/. ./drafts/; }
+[ -f drafts/smollm2-135m-instruct/config.json ] || [ ! -d /root/stage/x/drafts ] || { mkdir -p drafts && cp -r /root/stage/x/drafts/. ./drafts/; }
+# SmolLM2's tokenizer for the random presets (staged; needed where the SmolLM2 GGUF wheel was left out: PAPER_ONLY=1)
+[ ! -f /root/stage/x/tokenizer/tokenizer.json ] || export MINEDRAFT_RANDOM_TOKENIZER=/root/stage/x/tokenizer
 export PYTHONPATH=$SITE:$PWD
 python3 -c 'import torch, vllm, transformers, grpc; print("torch", torch.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__, "grpc", grpc.__version__, "gpus", torch.cuda.device_count())' || exit 1
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader

@@ -33,6 +33,7 @@ from specdec.engine_api import EngineFacts
 from specdec.errors import CapacityError
 from specdec.sample.sampling import SamplingParams
 from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
+from specdec.vllm_backend.call_stats import DraftCallStats
 from specdec.vllm_backend.engine import (VLLM_BLOCK_SIZE, VllmEngineConfig, build_engine, drain,
                                          refusals_as_value_errors, to_vllm_sampling)
 from specdec.vllm_backend.outputs import collect_step, engine_facts
@@ -102,6 +103,7 @@ class VllmDraftWorker:
         self._requests: dict[str, _DraftRequest] = {}
         self._seed_source = random.Random(seed)
         self._num_calls = 0
+        self.call_stats = DraftCallStats()   # each draft call's admission / first step / later steps, logged
 
     @staticmethod
     def _check_caching(cfg: VllmEngineConfig) -> None:
@@ -137,7 +139,7 @@ class VllmDraftWorker:
 
     def _admit(self, new: dict[str, "_DraftRequest"]) -> None:
         """Prefill the new requests' prompts (here: into the prefix cache, one token sampled)."""
-        self._generate({rid: (req.committed, req.params, 1, req.seed) for rid, req in new.items()})
+        self._generate({rid: (req.committed, req.params, 1, req.seed) for rid, req in new.items()}, _UNTIMED)
 
     def _request_seed(self, params: SamplingParams) -> int:
         return params.seed if params.seed is not None else self._seed_source.getrandbits(_SEED_BITS)
@@ -184,12 +186,14 @@ class VllmDraftWorker:
 
     def _run_drafts(self, jobs: dict[str, tuple[list[int], SamplingParams, int, int]]) -> dict[str, list[int]]:
         """{request id: its k_i draft tokens} for ``jobs`` of (committed tokens, params, k_i, seed)."""
-        return self._generate(jobs)
+        return self._generate(jobs, self.call_stats)
 
-    def _generate(self, jobs: dict[str, tuple[list[int], SamplingParams, int, int]]) -> dict[str, list[int]]:
+    def _generate(self, jobs: dict[str, tuple[list[int], SamplingParams, int, int]],
+                  stats: DraftCallStats) -> dict[str, list[int]]:
         """{request id: the ``n`` tokens vLLM samples after ``tokens``} for ``jobs`` of
-        (tokens, params, n, seed), all in one engine run; aborted again on failure."""
+        (tokens, params, n, seed), all in one engine run (timed by ``stats``); aborted again on failure."""
         self._num_calls += 1
+        stats.start(len(jobs))
         names = {f"{rid}@draft{self._num_calls}": rid for rid in jobs}
         tokens: dict[str, list[int]] = {rid: [] for rid in jobs}
         vllm_ids = []
@@ -199,14 +203,18 @@ class VllmDraftWorker:
                 with refusals_as_value_errors():
                     vllm_ids.append(self.engine.add_request(name, {"prompt_token_ids": prompt},
                                                             to_vllm_sampling(params, n, seed=seed, with_logprobs=False)))
+            stats.admitted()
             pending = set(names)
             for _ in range(max(n for _, _, n, _ in jobs.values()) + MAX_DRAFT_STEPS_SLACK):
-                for name, output in collect_step(self.engine.step()).items():
+                outputs = self.engine.step()
+                stats.stepped()
+                for name, output in collect_step(outputs).items():
                     tokens[names[name]] += output.token_ids
                     if output.finish_reason is not None:
                         pending.discard(name)
                 if not pending:
                     drain(self.engine)   # async scheduling: a step scheduled past the end
+                    stats.end()
                     return tokens
             raise RuntimeError(f"vLLM drafting did not finish: {sorted(pending)}")
         except BaseException:
@@ -222,6 +230,9 @@ class VllmDraftWorker:
     @property
     def num_active(self) -> int:
         return len(self._requests)
+
+
+_UNTIMED = DraftCallStats(log_every=0)   # admissions: not draft calls
 
 
 def _call_seed(seed: int, num_committed: int) -> int:

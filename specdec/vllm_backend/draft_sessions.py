@@ -27,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.sample.sampling import SamplingParams
-from specdec.vllm_backend.draft import MAX_DRAFT_STEPS_SLACK, VllmDraftWorker, _DraftRequest
+from specdec.vllm_backend.call_stats import DraftCallStats
+from specdec.vllm_backend.draft import _UNTIMED, MAX_DRAFT_STEPS_SLACK, VllmDraftWorker, _DraftRequest
 from specdec.vllm_backend.engine import VllmEngineConfig, drain, refusals_as_value_errors, scheduler_of, to_vllm_sampling
 from specdec.vllm_backend.outputs import collect_step
 
@@ -72,7 +73,7 @@ class VllmSessionDraftWorker(VllmDraftWorker):
                         supported_tasks=self.engine.get_supported_tasks(), resumable=True)
                     sessions[rid] = _Session(self.engine.add_request(core_request.request_id, core_request, params),
                                              list(req.committed), len(req.committed), len(req.committed))
-            sampled = self._step_until_done({f"{rid}@session": rid for rid in new}, 1)
+            sampled = self._step_until_done({f"{rid}@session": rid for rid in new}, 1, _UNTIMED)
         except BaseException:
             self._abort(sessions)
             raise
@@ -82,6 +83,7 @@ class VllmSessionDraftWorker(VllmDraftWorker):
 
     def _run_drafts(self, jobs: dict[str, tuple[list[int], SamplingParams, int, int]]) -> dict[str, list[int]]:
         calls = {}
+        self.call_stats.start(len(jobs))
         try:
             for rid, (committed, params, k_i, seed) in jobs.items():
                 session = self._sessions[rid]
@@ -90,7 +92,9 @@ class VllmSessionDraftWorker(VllmDraftWorker):
                 self._scheduler.resume_session(session.vllm_id, kept, committed[kept:], k_i,
                                                to_vllm_sampling(params, k_i, seed=seed, with_logprobs=False))
                 calls[rid] = session
-            drafted = self._step_until_done({f"{rid}@session": rid for rid in jobs}, max(k for *_, k, _ in jobs.values()))
+            self.call_stats.admitted()
+            drafted = self._step_until_done({f"{rid}@session": rid for rid in jobs}, max(k for *_, k, _ in jobs.values()),
+                                            self.call_stats)
         except BaseException:   # a session left half-resumed cannot be trusted again: forget the call's rows
             self._abort({rid: self._sessions[rid] for rid in jobs})
             for rid in jobs:
@@ -101,18 +105,21 @@ class VllmSessionDraftWorker(VllmDraftWorker):
                                            len(committed) + k_i - 1, len(committed))
         return drafted
 
-    def _step_until_done(self, names: dict[str, str], max_tokens: int) -> dict[str, list[int]]:
+    def _step_until_done(self, names: dict[str, str], max_tokens: int, stats: DraftCallStats) -> dict[str, list[int]]:
         """Step the engine until every session of ``names`` ({engine request name: row id}) has
-        sampled its chunk's tokens; those tokens per row id."""
+        sampled its chunk's tokens (each step marked in ``stats``); those tokens per row id."""
         tokens: dict[str, list[int]] = {rid: [] for rid in names.values()}
         pending = set(names)
         for _ in range(max_tokens + MAX_DRAFT_STEPS_SLACK):
-            for name, output in collect_step(self.engine.step()).items():
+            outputs = self.engine.step()
+            stats.stepped()
+            for name, output in collect_step(outputs).items():
                 tokens[names[name]] += output.token_ids
                 if output.finish_reason is not None:
                     pending.discard(name)
             if not pending:
                 drain(self.engine)
+                stats.end()
                 return tokens
         raise RuntimeError(f"vLLM drafting did not finish: {sorted(pending)}")
 

@@ -89,12 +89,16 @@ def test_a_call_admits_nothing_takes_k_steps_and_release_frees_the_kv(worker, mo
     added, steps, add, step = [], [], worker.engine.add_request, worker.engine.step
     monkeypatch.setattr(worker.engine, "add_request", lambda *a, **kw: (added.append(1), add(*a, **kw))[1])
     monkeypatch.setattr(worker.engine, "step", lambda: (steps.append(1), step())[1])
+    worker.call_stats.calls.clear()
     for call in range(3):
         steps.clear()
         rows, _ = worker.draft(list(prompts), [(len(p), [5]) for p in prompts.values()], 4)
         for p in prompts.values():
             p.append(5)
         assert [len(r) for r in rows] == [4, 4, 4] and len(steps) == 4 and not added
+    # the service's per-call split (specdec.vllm_backend.call_stats): 3 rows, a first step and 3 later ones
+    assert [(c.rows, len(c.later_ms)) for c in worker.call_stats.calls] == [(3, 3)] * 3
+    assert all(c.total_ms >= c.admit_ms + c.first_step_ms + sum(c.later_ms) > 0 for c in worker.call_stats.calls)
     for rid in prompts:
         worker.release(rid)
     assert _free_blocks(worker) == free and worker.num_active == 0

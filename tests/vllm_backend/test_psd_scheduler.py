@@ -384,6 +384,7 @@ def test_draft_calls_take_k_engine_steps_while_every_row_catches_up(drafter, mon
     drafter.add_requests([(rid, seqs[rid], GREEDY) for rid in ids])
     num_steps, step = [], drafter.engine.step
     monkeypatch.setattr(drafter.engine, "step", lambda: (num_steps.append(1), step())[1])
+    drafter.call_stats.calls.clear()
     try:
         for call in range(3):
             committed = []
@@ -394,6 +395,10 @@ def test_draft_calls_take_k_engine_steps_while_every_row_catches_up(drafter, mon
             num_steps.clear()
             rows, _ = drafter.draft(ids, committed, K)
             assert [len(row) for row in rows] == [K] * len(ids) and len(num_steps) == K, (call, len(num_steps))
+        # the service's per-call split (specdec.vllm_backend.call_stats): the admissions are not draft calls
+        assert [(c.rows, len(c.later_ms)) for c in drafter.call_stats.calls] == [(24, K - 1)] * 3
+        assert all(c.admit_ms > 0 and c.total_ms >= c.admit_ms + c.first_step_ms + sum(c.later_ms)
+                   for c in drafter.call_stats.calls)
     finally:
         for rid in ids:
             drafter.release(rid)
