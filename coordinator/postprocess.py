@@ -49,22 +49,20 @@ class Postprocess:
             self._commit(request, list(out.token_ids), list(out.logprobs), 0, 0, list(out.top_logprobs))
             streamed.num_emitted += len(request.output_token_ids) - before
 
-    def _commit_verified(self, groups, responses, times: StepTimes, verify_start_s: float,
-                         verify_batch: int, streamed: StreamedTokens) -> Committed:
-        """Account each Verify call (times, cost model) and commit its requests' tokens
-        (``_postprocess``; past those ``streamed`` committed); returns what the step committed."""
-        committed = Committed(num_emitted=streamed.num_emitted)
-        named = {r.request_id for reqs, _ in groups for r in reqs}
-        for (reqs, d), (response, verify_rpc_ms) in zip(groups, responses):
-            self._account_verify(reqs, d, response, verify_rpc_ms, times, verify_start_s, verify_batch)
-            group_emitted, group_accepted, group_ks = self._postprocess(reqs, d, response, streamed)
-            committed.num_emitted += group_emitted
-            committed.accepted += group_accepted if d else []
-            committed.num_spec_tokens += group_ks if d else []
-            # requests admitted while the call ran, which decoded in it (vLLM engine): committed
-            # once their admission has committed their first token (Scheduler._step_admitting)
-            self.joined_outputs += [out for out in response.outputs if out.request_id not in named]
-        return committed
+    def _commit_group(self, reqs, drafts, response: engine_pb2.VerifyResponse, verify_rpc_ms: float,
+                      times: StepTimes, verify_start_s: float, verify_batch: int, streamed: StreamedTokens,
+                      committed: Committed, named: set[str]) -> None:
+        """Account one Verify call (times, cost model) and commit its requests' tokens
+        (``_postprocess``; past those ``streamed`` committed) into the step's ``committed``;
+        ``named``: the request ids of all the step's Verify calls."""
+        self._account_verify(reqs, drafts, response, verify_rpc_ms, times, verify_start_s, verify_batch)
+        group_emitted, group_accepted, group_ks = self._postprocess(reqs, drafts, response, streamed)
+        committed.num_emitted += group_emitted
+        committed.accepted += group_accepted if drafts else []
+        committed.num_spec_tokens += group_ks if drafts else []
+        # requests admitted while the call ran, which decoded in it (vLLM engine): committed
+        # once their admission has committed their first token (Scheduler._step_admitting)
+        self.joined_outputs += [out for out in response.outputs if out.request_id not in named]
 
     def _account_verify(self, reqs, drafts, response: engine_pb2.VerifyResponse, rpc_ms: float,
                         times: StepTimes, start_s: float, batch: int) -> None:

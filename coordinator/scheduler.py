@@ -88,6 +88,7 @@ class Scheduler(Admitting, StepLoop):
         self.last_auto_decision: AutoDecision | None = None
         self._is_head_held = False
         self.joined_outputs: list[engine_pb2.SeqOutput] = []  # tokens of requests that joined a Verify call
+        self.draft_first = True   # psd: send the Draft call before the Verify calls (it took longer last time)
 
     # ------------------------------------------------------------------ public API
     def submit(self, request: RequestState) -> None:

@@ -62,10 +62,7 @@ class StepLoop(Postprocess):
         verify_batch = 1 - self.batches.skip_batch if mode == Mode.PSD else 0
         groups = await self._verify_groups(verify_reqs, mode, times, verify_batch)
         ahead_spec = self._speculative(ahead_reqs) if mode == Mode.PSD else []
-        streamed = StreamedTokens()
-        verify_start_s, responses = await self._verify_while_drafting(groups, ahead_spec, times, verify_batch, mode,
-                                                                      streamed)
-        committed = self._commit_verified(groups, responses, times, verify_start_s, verify_batch, streamed)
+        committed = await self._verify_while_drafting(groups, ahead_spec, times, verify_batch, mode)
         is_parallel = mode == Mode.PSD and bool(ahead_spec) and self.mode != Mode.AR
         self._flip(mode, bool(ahead_reqs))
         return self._record(mode, verify_reqs, committed, times, start, is_parallel, step_trace)
@@ -78,24 +75,40 @@ class StepLoop(Postprocess):
         return _group_by_draft_step(spec_reqs, [r for r in verify_reqs if r not in spec_reqs])
 
     async def _verify_while_drafting(self, groups, ahead_spec: list[RequestState], times: StepTimes,
-                                     verify_batch: int, mode: Mode, streamed: StreamedTokens) -> tuple[float, list]:
+                                     verify_batch: int, mode: Mode) -> Committed:
         """Run the Verify calls of ``groups`` and, at the same time (``asyncio.gather``), the Draft
-        call of the other batch's ``ahead_spec`` for the next step (psd, drafter on). A multi-step
-        call's tokens are committed as they stream in (``stream_decode_steps``; counted in
-        ``streamed``). Returns (wall clock at the start, one (VerifyResponse, rpc ms) per group).
-        Raises a Verify call's error."""
-        verify_start_s = time.time()
+        call of the other batch's ``ahead_spec`` for the next step (psd, drafter on).
+
+        Each Verify call's tokens are committed (and streamed) as soon as it returns, while the
+        Draft call may still run, and of the two the call that took longer at the last parallel
+        step is sent first (``draft_first``): in psd the longer call is the step's critical path,
+        so the coordinator's own work (building the other call, committing the verified batch)
+        runs beside it instead of after it. A multi-step call's tokens are committed as they
+        stream in (``stream_decode_steps``). Returns what the step committed. Raises a Verify
+        call's error once every call has ended."""
+        verify_start_s, streamed, committed = time.time(), StreamedTokens(), Committed()
+        named = {r.request_id for reqs, _ in groups for r in reqs}
         num_steps = [self._num_decode_steps(reqs) if mode == Mode.AR else 1 for reqs, _ in groups]
         on_partial = (lambda response: self._commit_partial(response, streamed)) if self.cfg.stream_decode_steps else None
-        calls = [self.engines.verify(self.step_id, [r.request_id for r in reqs], d, self._data_plane, n, on_partial,
-                                     self.cfg.stream_interval) for (reqs, d), n in zip(groups, num_steps)]
-        if ahead_spec and self.mode != Mode.AR:
-            calls.append(self._draft(ahead_spec, times, 1 - verify_batch, mode))
+
+        async def verify_and_commit(reqs, drafts, n):
+            response, rpc_ms = await self.engines.verify(self.step_id, [r.request_id for r in reqs], drafts,
+                                                         self._data_plane, n, on_partial, self.cfg.stream_interval)
+            self._commit_group(reqs, drafts, response, rpc_ms, times, verify_start_s, verify_batch, streamed,
+                               committed, named)
+
+        calls = [verify_and_commit(reqs, d, n) for (reqs, d), n in zip(groups, num_steps)]
+        drafting = bool(ahead_spec) and self.mode != Mode.AR
+        draft_first = drafting and self.draft_first
+        if drafting:
+            draft = self._draft(ahead_spec, times, 1 - verify_batch, mode)
+            calls = [draft, *calls] if draft_first else [*calls, draft]
         results = await asyncio.gather(*calls, return_exceptions=True)
-        for result in results[: len(groups)]:
+        for result in results[int(draft_first): int(draft_first) + len(groups)]:
             if isinstance(result, BaseException):
                 raise result
-        return verify_start_s, results[: len(groups)]
+        committed.num_emitted += streamed.num_emitted
+        return committed
 
     def _flip(self, mode: Mode, drafted_ahead: bool) -> None:
         """psd: the batch drafted ahead is verified next step (``flip``); with no batch to draft
@@ -211,6 +224,8 @@ class StepLoop(Postprocess):
             idle_ms=max(wall_ms - times.verify_ms, 0.0), wall_ms=wall_ms, is_parallel=is_parallel,
         )
         self.totals.record(stats)
+        if is_parallel:  # the next parallel step sends the call that took longer first
+            self.draft_first = times.draft_ms >= times.verify_ms
         critical = critical_ms(times.draft_ms, times.verify_ms, is_parallel)
         self.spec_stats.cost.observe_step(wall_ms, critical)  # the fixed cost the k policy adds to T
         if self.cfg.mode == Mode.AUTO:  # live goodput of the mode auto chose (coordinator.auto_mode)
