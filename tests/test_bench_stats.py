@@ -8,7 +8,7 @@ import pytest
 
 from bench.common.loadgen import RequestResult, load_spec_bench
 from bench.common.report import compute_ratios, greedy_check, markdown, plot
-from bench.common.stats import SpecCounts, mean_acceptance_length, percentile, ratio, spec_counts_from_usage, step_split, \
+from bench.common.stats import SpecCounts, critical_call_overhead, mean_acceptance_length, percentile, ratio, spec_counts_from_usage, step_split, \
     summarize, summarize_by_task
 from bench.common.suite import SuiteConfig, plan
 from bench.common.systems import SYSTEMS, vllm_spec_counters
@@ -62,6 +62,18 @@ def test_step_split_means_over_the_window(tmp_path):
     split = step_split(str(path), 2.0, 10.0)  # the first step (warm-up) is outside the window
     assert split["num_steps"] == 2 and split["draft_ms"] == 5.0 and split["parallel_step_ratio"] == 0.5
     assert step_split(str(path), 20.0, 30.0) is None and step_split(str(tmp_path / "none"), 0, 1) is None
+
+
+def test_critical_call_overhead_is_what_the_coordinator_adds_around_the_call_that_ended_last():
+    # step at t = 10 s, 30 ms wall: a Verify call sent at +0.5 ms (12 ms rpc), a Draft call sent at
+    # +1.5 ms (25 ms rpc, 22 ms compute) that ends last: lead 1.5, rpc extra 3, tail 30 - 1.5 - 25 = 3.5
+    step = {"start_s": 10.0, "wall_ms": 30.0, "is_parallel": True, "phases": [
+        {"engine": "verifier", "start_s": 10.0005, "rpc_ms": 12.0, "compute_ms": 10.0},
+        {"engine": "drafter", "start_s": 10.0015, "rpc_ms": 25.0, "compute_ms": 22.0}]}
+    parts = critical_call_overhead([step, {**step, "wall_ms": 32.0}, {**step, "phases": []}])
+    assert parts["critical_lead_ms"] == pytest.approx(1.5) and parts["critical_rpc_extra_ms"] == pytest.approx(3.0)
+    assert parts["critical_tail_ms"] == pytest.approx(4.5)   # mean of 3.5 and 5.5; the step without phases left out
+    assert critical_call_overhead([{**step, "phases": []}]) == {}
 
 
 def _run(system, k, tok_s, lat=100.0, temperature=0.0, m=4):

@@ -122,7 +122,28 @@ def step_split(step_log_path: str, start_s: float, end_s: float) -> dict | None:
     split = {key: sum(float(s[key]) for s in steps) / len(steps) for key in STEP_SPLIT_KEYS}
     split["num_steps"] = len(steps)
     split["parallel_step_ratio"] = sum(bool(s["is_parallel"]) for s in steps) / len(steps)
+    split.update(critical_call_overhead([s for s in steps if s["is_parallel"]]))
     return split
+
+
+def critical_call_overhead(steps: list[dict]) -> dict:
+    """Means over ``steps`` (step-log records with ``phases``) of what surrounds each step's
+    critical call, the engine call that ended last: ``critical_lead_ms`` (step start to that call
+    being sent: the coordinator's work before it), ``critical_rpc_extra_ms`` (its RPC wall time
+    beyond the engine's compute: gRPC and the service) and ``critical_tail_ms`` (its return to the
+    step's end: the coordinator's work after it). Empty when no step has phases."""
+    parts = []
+    for step in steps:
+        phases = step.get("phases") or []
+        if not phases:
+            continue
+        last = max(phases, key=lambda p: p["start_s"] + p["rpc_ms"] / 1e3)
+        lead_ms = (last["start_s"] - step["start_s"]) * 1e3
+        parts.append((lead_ms, last["rpc_ms"] - last["compute_ms"], step["wall_ms"] - lead_ms - last["rpc_ms"]))
+    if not parts:
+        return {}
+    names = ("critical_lead_ms", "critical_rpc_extra_ms", "critical_tail_ms")
+    return {name: sum(p[i] for p in parts) / len(parts) for i, name in enumerate(names)}
 
 
 def ratio(numerator: float, denominator: float) -> float:
