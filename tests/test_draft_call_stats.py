@@ -28,12 +28,13 @@ def test_summary_medians_per_bucket_and_other_time_is_what_no_part_explains():
 
 
 def test_a_call_is_split_at_its_marks_and_logged_every_n_calls(monkeypatch, caplog):
-    clock = iter([0.0, 0.002, 0.010, 0.013, 0.016, 0.019, 0.020] * 2)
+    clock = iter([0.0, 0.0005, 0.0025, 0.0105, 0.0135, 0.0165, 0.0195, 0.020] * 2)
     monkeypatch.setattr(call_stats.time, "perf_counter", lambda: next(clock))
     stats = DraftCallStats(log_every=2)
     with caplog.at_level(logging.INFO, logger=call_stats.__name__):
         for _ in range(2):
             stats.start(8)
+            stats.admitting()
             stats.admitted()
             for _ in range(4):
                 stats.stepped()
@@ -42,7 +43,7 @@ def test_a_call_is_split_at_its_marks_and_logged_every_n_calls(monkeypatch, capl
     med = stats.last_summary["rows<=8"]
     assert med["admit_ms"] == pytest.approx(2.0) and med["first_step_ms"] == pytest.approx(8.0)
     assert med["later_steps"] == 3 and med["later_step_ms"] == pytest.approx(3.0)
-    assert med["total_ms"] == pytest.approx(20.0) and med["other_ms"] == pytest.approx(1.0)
+    assert med["total_ms"] == pytest.approx(20.0) and med["other_ms"] == pytest.approx(1.0)   # 0.5 before, 0.5 after
     assert "draft calls (last 2): rows<=8: 2 calls" in caplog.text
 
 
@@ -54,3 +55,20 @@ def test_log_every_zero_keeps_nothing_and_negative_is_refused():
     assert stats.calls == [] and stats.last_summary == {}
     with pytest.raises(ValueError, match="log_every"):
         DraftCallStats(log_every=-1)
+    with pytest.raises(ValueError, match="log_every_s"):
+        DraftCallStats(log_every_s=0.0)
+
+
+def test_a_window_is_also_logged_after_log_every_s_once_it_holds_enough_calls(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(call_stats.time, "monotonic", lambda: now[0])
+    stats = DraftCallStats(log_every=1000, log_every_s=10.0)
+    for i in range(call_stats.MIN_CALLS_LOGGED + 2):
+        now[0] = 11.0 if i == 2 else now[0]   # due from the third call on, but 10 calls are needed
+        stats.start(4)
+        stats.stepped()
+        stats.end()
+        assert (stats.last_summary != {}) == (i + 1 >= call_stats.MIN_CALLS_LOGGED), i
+        if stats.last_summary:
+            break
+    assert stats.calls == [] and stats.last_summary["rows<=4"]["calls"] == call_stats.MIN_CALLS_LOGGED

@@ -8,8 +8,9 @@ them for a call alone; this records them for the calls the service serves, so th
 whole stack says which part grows there (session 22: a 32-row call took 30 ms in the stack
 against 20 ms alone). Torch-free.
 
-Every ``log_every`` calls the medians of each row-count bucket (rows up to 1, 2, 4, ..., 64,
-more) are logged at INFO on ``specdec.vllm_backend.call_stats`` and kept in ``summary()``::
+Every ``log_every`` calls, or after ``log_every_s`` seconds with at least ``MIN_CALLS_LOGGED``
+calls, the medians of each row-count bucket (rows up to 1, 2, 4, ..., 64, more) are logged at
+INFO on ``specdec.vllm_backend.call_stats`` and kept in ``last_summary``::
 
     draft calls (last 200): rows<=32: 180 calls, rows 32, ms total 29.8 = admit 3.1 + first step 8.2 + later 3 x 3.9, other 6.9
 """
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 DEFAULT_LOG_EVERY = 200
+DEFAULT_LOG_EVERY_S = 10.0
+MIN_CALLS_LOGGED = 10
 
 
 @dataclass(frozen=True)
@@ -38,18 +41,21 @@ class CallSplit:
 
 
 class DraftCallStats:
-    """Timestamps of one draft call at a time: ``start(rows)``, ``admitted()``, ``stepped()``
-    after each engine step, ``end()``; medians logged every ``log_every`` calls (0: off, nothing
-    kept).
+    """Timestamps of one draft call at a time: ``start(rows)``, ``admitting()``, ``admitted()``,
+    ``stepped()`` after each engine step, ``end()``; medians logged every ``log_every`` calls (0: off, nothing
+    kept) or every ``log_every_s`` seconds (monotonic) once ``MIN_CALLS_LOGGED`` calls are filed.
 
     Raises:
-        ValueError: ``log_every`` < 0.
+        ValueError: ``log_every`` < 0 or ``log_every_s`` <= 0.
     """
 
-    def __init__(self, log_every: int = DEFAULT_LOG_EVERY) -> None:
+    def __init__(self, log_every: int = DEFAULT_LOG_EVERY, log_every_s: float = DEFAULT_LOG_EVERY_S) -> None:
         if log_every < 0:
             raise ValueError(f"log_every: must be >= 0, got {log_every}")
-        self.log_every = log_every
+        if log_every_s <= 0:
+            raise ValueError(f"log_every_s: must be > 0, got {log_every_s}")
+        self.log_every, self.log_every_s = log_every, log_every_s
+        self._window_start = time.monotonic()
         self.calls: list[CallSplit] = []        # since the last log
         self.last_summary: dict[str, dict[str, float]] = {}
         self._start = self._admitted = 0.0
@@ -57,8 +63,13 @@ class DraftCallStats:
         self._rows = 0
 
     def start(self, rows: int) -> None:
+        """A draft call of ``rows`` rows begins (its bookkeeping before the engine counts as other)."""
         self._rows, self._steps = rows, []
-        self._start = self._admitted = time.perf_counter()
+        self._start = self._admitting = self._admitted = time.perf_counter()
+
+    def admitting(self) -> None:
+        """The call's rows start going to the engine (vLLM requests added or sessions resumed)."""
+        self._admitting = self._admitted = time.perf_counter()
 
     def admitted(self) -> None:
         self._admitted = time.perf_counter()
@@ -74,9 +85,11 @@ class DraftCallStats:
         end = time.perf_counter()
         marks = [self._admitted] + self._steps
         steps = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
-        self.calls.append(CallSplit(self._rows, (end - self._start) * 1e3, (self._admitted - self._start) * 1e3,
+        self.calls.append(CallSplit(self._rows, (end - self._start) * 1e3, (self._admitted - self._admitting) * 1e3,
                                     steps[0] if steps else 0.0, tuple(steps[1:])))
-        if self.log_every and len(self.calls) >= self.log_every:
+        is_due = time.monotonic() - self._window_start >= self.log_every_s and len(self.calls) >= MIN_CALLS_LOGGED
+        if len(self.calls) >= self.log_every or is_due:
+            self._window_start = time.monotonic()
             self.last_summary = summarize(self.calls)
             for bucket, med in self.last_summary.items():
                 logger.info("draft calls (last %d): %s: %d calls, rows %.0f, ms total %.1f = admit %.1f + first step "
@@ -97,7 +110,8 @@ def row_bucket(rows: int) -> str:
 def summarize(calls: list[CallSplit]) -> dict[str, dict[str, float]]:
     """Per row bucket: the number of calls and the medians of rows, total, admission, first-step
     and later-step ms (``later_step_ms``: median of all later steps), later steps per call, and
-    ``other_ms`` = total - admission - all steps (the call's own bookkeeping)."""
+    ``other_ms`` = total - admission - all steps (the worker's own bookkeeping: checks, the
+    committed sequences, the rows' results)."""
     buckets: dict[str, list[CallSplit]] = {}
     for call in calls:
         buckets.setdefault(row_bucket(call.rows), []).append(call)

@@ -166,6 +166,7 @@ class VllmDraftWorker:
             KeyError: unknown request. ValueError: bad ``committed`` or ``k`` (no state changes).
             DraftCapacityError: a sequence would pass ``max_model_len`` (no state changes).
         """
+        self.call_stats.start(len(request_ids))
         states = known_states(self._requests, request_ids)
         ks = [k] * len(states) if isinstance(k, int) else list(k)
         if min(ks, default=0) < 0 or len(committed) != len(states) or len(ks) != len(states):
@@ -193,7 +194,7 @@ class VllmDraftWorker:
         """{request id: the ``n`` tokens vLLM samples after ``tokens``} for ``jobs`` of
         (tokens, params, n, seed), all in one engine run (timed by ``stats``); aborted again on failure."""
         self._num_calls += 1
-        stats.start(len(jobs))
+        stats.admitting()
         names = {f"{rid}@draft{self._num_calls}": rid for rid in jobs}
         tokens: dict[str, list[int]] = {rid: [] for rid in jobs}
         vllm_ids = []

@@ -83,7 +83,7 @@ class VllmSessionDraftWorker(VllmDraftWorker):
 
     def _run_drafts(self, jobs: dict[str, tuple[list[int], SamplingParams, int, int]]) -> dict[str, list[int]]:
         calls = {}
-        self.call_stats.start(len(jobs))
+        self.call_stats.admitting()
         try:
             for rid, (committed, params, k_i, seed) in jobs.items():
                 session = self._sessions[rid]
