@@ -19,6 +19,7 @@ draft feeds ``SpeculationStats`` (the adaptive policies' online estimates).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import defaultdict
 
@@ -33,6 +34,8 @@ from coordinator.stats import StepStats, StepTimes
 from coordinator.streamed import StreamedTokens
 from coordinator.tracing import Phase, StepTrace, finish_step, start_step
 from opentelemetry import trace
+
+logger = logging.getLogger(__name__)
 
 
 class StepLoop(Postprocess):
@@ -107,6 +110,10 @@ class StepLoop(Postprocess):
         for result in results[int(draft_first): int(draft_first) + len(groups)]:
             if isinstance(result, BaseException):
                 raise result
+        draft_result = results[0 if draft_first else -1] if drafting else None
+        if isinstance(draft_result, BaseException):   # not a drafter error (_draft handles those): a bug
+            logger.error("step %d: the draft-ahead call failed; its batch is drafted at its verify step instead",
+                         self.step_id, exc_info=draft_result)
         committed.num_emitted += streamed.num_emitted
         return committed
 

@@ -111,3 +111,28 @@ def test_the_verified_batch_streams_during_the_draft_call_and_the_longer_call_go
         assert firsts.count("draft") == len(firsts), firsts
     else:
         assert firsts.count("verify") == len(firsts), firsts
+
+
+def test_an_unexpected_draft_ahead_failure_is_logged_and_the_batch_drafted_at_its_verify_step(caplog):
+    work = _workload(6)
+
+    async def main():
+        async with Harness(mode="psd", max_num_seqs=2, num_speculative_tokens=3) as h:
+            scheduler, original, failures = h.scheduler, h.scheduler._draft, []
+
+            async def failing_once(requests, times, batch, mode):
+                if not failures and scheduler.batches.draft_batch() == [r.request_id for r in requests]:
+                    failures.append(scheduler.step_id)
+                    raise RuntimeError("draft-ahead bug")
+                return await original(requests, times, batch, mode)
+
+            scheduler._draft = failing_once
+            results = await asyncio.gather(*(h.generate(rid, p, **s) for rid, p, s in work))
+            for (rid, prompt, sampling), (tokens, reason, _) in zip(work, results):
+                assert tokens == _expected(prompt, sampling) and reason in ("stop", "length"), rid
+            return failures
+
+    with caplog.at_level("ERROR", logger="coordinator.stepping"):
+        failures = asyncio.run(main())
+    assert len(failures) == 1
+    assert f"step {failures[0]}: the draft-ahead call failed" in caplog.text and "draft-ahead bug" in caplog.text
