@@ -3,6 +3,7 @@ loopback ports (torch-free)."""
 
 from __future__ import annotations
 
+import random
 import socket
 
 import grpc
@@ -30,8 +31,49 @@ def log_tail(path: str, num_lines: int = NUM_LOG_TAIL_LINES) -> str:
         return ""
 
 
-def free_loopback_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports free on 127.0.0.1 right now (for test and soak stacks)."""
+LOW_PORT = 20000   # free_loopback_ports draws from [LOW_PORT, the kernel's first ephemeral port)
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def free_loopback_ports(count: int, rng: random.Random | None = None) -> list[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 right now (for test and soak stacks).
+
+    Drawn at random below the kernel's ephemeral range (``EPHEMERAL_RANGE``, from ``LOW_PORT``):
+    a port the kernel hands out itself can be taken by any outgoing connection's local end before
+    the service that was given it binds it (a test stack's coordinator once failed with "Address
+    already in use" so); a port below that range can only be taken by another bind. Falls back to
+    ports the kernel picks where the range cannot be read or holds too few free ports.
+    """
+    rng = rng or random.Random()
+    first_ephemeral = _first_ephemeral_port()
+    ports: list[int] = []
+    tries = 0
+    while first_ephemeral > LOW_PORT + count and len(ports) < count and tries < 50 * count:
+        tries += 1
+        port = rng.randrange(LOW_PORT, first_ephemeral)
+        if port not in ports and _is_free(port):
+            ports.append(port)
+    return ports if len(ports) == count else _kernel_picked_ports(count)
+
+
+def _first_ephemeral_port() -> int:
+    try:
+        with open(EPHEMERAL_RANGE, encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _kernel_picked_ports(count: int) -> list[int]:
     sockets = [socket.socket() for _ in range(count)]
     try:
         for s in sockets:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import subprocess
 import threading
 import time
@@ -15,6 +14,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from minedraft.probes import free_loopback_ports
 from minedraft.serving import ServerOptions, build_server
 from minedraft.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -116,9 +116,7 @@ class FakeCoordinatorThread:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_loopback_ports(1)[0]   # below the ephemeral range (minedraft.probes)
 
 
 def _health(port: int) -> int:

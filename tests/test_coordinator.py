@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import sys
 import urllib.request
 
@@ -26,6 +25,7 @@ from coordinator_harness import (  # noqa: F401  (VOCAB, toy_next, wait_until: r
     toy_next,
     wait_until,
 )
+from minedraft.probes import free_loopback_ports
 from minedraft.serving import aio_channel, wait_for_serving
 from minedraft.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, engine_pb2_grpc
 
@@ -78,9 +78,7 @@ def test_sampled_draft_probs_follow_their_requests(data_plane: str) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_loopback_ports(1)[0]   # below the ephemeral range (minedraft.probes)
 
 
 def test_main_serves_health_after_engines_and_drains_on_sigterm() -> None:

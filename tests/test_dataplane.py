@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minedraft.probes import free_loopback_ports
 from minedraft.v1 import common_pb2
 from engine_svc.tensor_proto import (
     SUPPORTED_DTYPES,
@@ -92,7 +93,6 @@ def test_empty_proto_detection():
 
 # --- dist data plane (specdec.dataplane.dist): both ranks in this process, one per thread ---
 
-import socket  # noqa: E402
 
 from specdec.dataplane.dist import (  # noqa: E402
     DistPlaneConfig,
@@ -103,9 +103,7 @@ from specdec.dataplane.dist import (  # noqa: E402
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_loopback_ports(1)[0]   # below the ephemeral range (minedraft.probes)
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
-import socket
 import uuid
 
 import pytest
@@ -18,6 +17,7 @@ from specdec.dataplane import nccl as dataplane_nccl
 from specdec.dataplane import shm as dataplane_shm
 from specdec.dataplane.dist import DataPlaneUnavailableError, DraftProbsMissingError
 from specdec.dataplane.ipc import IpcPlaneConfig, IpcProbsClient, IpcProbsServer
+from minedraft.probes import free_loopback_ports
 
 
 @pytest.fixture
@@ -155,9 +155,7 @@ def test_ipc_across_processes():
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_loopback_ports(1)[0]   # below the ephemeral range (minedraft.probes)
 
 
 def test_dist_plane_uses_nccl_only_when_both_ends_are_cuda():

@@ -8,7 +8,6 @@ minedraft.serving lifecycle tests are in test_serving_lifecycle.py.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from conftest import _build_tiny_llama
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from minedraft.probes import free_loopback_ports
 from minedraft.serving import wait_for_serving_sync
 from minedraft.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from engine_svc.tensor_proto import tensor_to_proto
@@ -35,9 +35,7 @@ SEQS = [  # (id suffix, prompt, sampling)
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_loopback_ports(1)[0]   # below the ephemeral range (minedraft.probes)
 
 
 def first_health_status(target: str, timeout_s: float) -> int:

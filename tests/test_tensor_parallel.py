@@ -4,7 +4,6 @@ seeded sampled requests, draft probs broadcast to rank 1)."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 from conftest import _build_tiny_llama
 
+from minedraft.probes import free_loopback_ports
 from minedraft.serving import wait_for_serving_sync
 from minedraft.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from engine_svc.tensor_proto import tensor_to_proto
@@ -40,9 +40,7 @@ def _sampling(request_id: str) -> dict:
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_loopback_ports(1)[0]   # below the ephemeral range (minedraft.probes)
 
 
 def test_tp_size_must_divide_head_counts():
