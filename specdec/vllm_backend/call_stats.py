@@ -58,7 +58,7 @@ class DraftCallStats:
         self._window_start = time.monotonic()
         self.calls: list[CallSplit] = []        # since the last log
         self.last_summary: dict[str, dict[str, float]] = {}
-        self._start = self._admitted = 0.0
+        self._start = self._admitting = self._admitted = 0.0
         self._steps: list[float] = []
         self._rows = 0
 

@@ -196,7 +196,6 @@ class VllmDraftWorker:
         self._num_calls += 1
         stats.admitting()
         names = {f"{rid}@draft{self._num_calls}": rid for rid in jobs}
-        tokens: dict[str, list[int]] = {rid: [] for rid in jobs}
         vllm_ids = []
         try:
             for name, rid in names.items():
@@ -205,23 +204,30 @@ class VllmDraftWorker:
                     vllm_ids.append(self.engine.add_request(name, {"prompt_token_ids": prompt},
                                                             to_vllm_sampling(params, n, seed=seed, with_logprobs=False)))
             stats.admitted()
-            pending = set(names)
-            for _ in range(max(n for _, _, n, _ in jobs.values()) + MAX_DRAFT_STEPS_SLACK):
-                outputs = self.engine.step()
-                stats.stepped()
-                for name, output in collect_step(outputs).items():
-                    tokens[names[name]] += output.token_ids
-                    if output.finish_reason is not None:
-                        pending.discard(name)
-                if not pending:
-                    drain(self.engine)   # async scheduling: a step scheduled past the end
-                    stats.end()
-                    return tokens
-            raise RuntimeError(f"vLLM drafting did not finish: {sorted(pending)}")
+            return self._step_until_done(names, max(n for _, _, n, _ in jobs.values()), stats)
         except BaseException:
             if vllm_ids:
                 self.engine.abort_request(vllm_ids, internal=True)
             raise
+
+    def _step_until_done(self, names: dict[str, str], max_tokens: int, stats: DraftCallStats) -> dict[str, list[int]]:
+        """Step the engine until every engine request of ``names`` ({engine request name: row id})
+        has sampled its tokens (at most ``max_tokens``; each step marked in ``stats``); those tokens
+        per row id. Raises RuntimeError if they do not finish within ``MAX_DRAFT_STEPS_SLACK`` extra steps."""
+        tokens: dict[str, list[int]] = {rid: [] for rid in names.values()}
+        pending = set(names)
+        for _ in range(max_tokens + MAX_DRAFT_STEPS_SLACK):
+            outputs = self.engine.step()
+            stats.stepped()
+            for name, output in collect_step(outputs).items():
+                tokens[names[name]] += output.token_ids
+                if output.finish_reason is not None:
+                    pending.discard(name)
+            if not pending:
+                drain(self.engine)   # async scheduling: a step scheduled past the end
+                stats.end()
+                return tokens
+        raise RuntimeError(f"vLLM drafting did not finish: {sorted(pending)}")
 
     def release(self, request_id: str) -> None:
         """Forget the request (its cached prefix blocks age out of vLLM's prefix cache).

@@ -27,10 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.sample.sampling import SamplingParams
-from specdec.vllm_backend.call_stats import DraftCallStats
-from specdec.vllm_backend.draft import _UNTIMED, MAX_DRAFT_STEPS_SLACK, VllmDraftWorker, _DraftRequest
-from specdec.vllm_backend.engine import VllmEngineConfig, drain, refusals_as_value_errors, scheduler_of, to_vllm_sampling
-from specdec.vllm_backend.outputs import collect_step
+from specdec.vllm_backend.draft import _UNTIMED, VllmDraftWorker, _DraftRequest
+from specdec.vllm_backend.engine import VllmEngineConfig, refusals_as_value_errors, scheduler_of, to_vllm_sampling
 
 
 @dataclass
@@ -104,24 +102,6 @@ class VllmSessionDraftWorker(VllmDraftWorker):
             self._sessions[rid] = _Session(calls[rid].vllm_id, list(committed) + drafted[rid],
                                            len(committed) + k_i - 1, len(committed))
         return drafted
-
-    def _step_until_done(self, names: dict[str, str], max_tokens: int, stats: DraftCallStats) -> dict[str, list[int]]:
-        """Step the engine until every session of ``names`` ({engine request name: row id}) has
-        sampled its chunk's tokens (each step marked in ``stats``); those tokens per row id."""
-        tokens: dict[str, list[int]] = {rid: [] for rid in names.values()}
-        pending = set(names)
-        for _ in range(max_tokens + MAX_DRAFT_STEPS_SLACK):
-            outputs = self.engine.step()
-            stats.stepped()
-            for name, output in collect_step(outputs).items():
-                tokens[names[name]] += output.token_ids
-                if output.finish_reason is not None:
-                    pending.discard(name)
-            if not pending:
-                drain(self.engine)
-                stats.end()
-                return tokens
-        raise RuntimeError(f"vLLM drafting did not finish: {sorted(pending)}")
 
     def _abort(self, sessions: dict[str, _Session]) -> None:
         if sessions:
