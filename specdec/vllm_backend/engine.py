@@ -193,7 +193,14 @@ def build_engine(cfg: VllmEngineConfig):
         from specdec.vllm_backend.cpu_fixes import fix_cpu_rejection_sampler
 
         fix_cpu_rejection_sampler()
-    check_kv_capacity(engine, cfg)
+    try:
+        check_kv_capacity(engine, cfg)
+    except CapacityError:
+        # shut down now: left to the garbage collector, its teardown (vLLM's
+        # cleanup_dist_env_and_memory) would destroy the distributed state of whatever engine
+        # this process builds next
+        engine.engine_core.shutdown()
+        raise
     return engine
 
 
