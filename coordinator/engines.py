@@ -186,7 +186,7 @@ class EngineClients:
 
     async def verify(
         self, step_id: int, request_ids: list[str], drafts: list[PendingDrafts] | None, data_plane: int,
-        num_decode_steps: int = 1, on_partial=None, stream_interval: int = 1,
+        num_decode_steps: int = 1, on_partial=None, stream_interval: int = 1, max_decode_steps: list[int] = (),
     ) -> tuple[engine_pb2.VerifyResponse, float]:
         """Verify ``request_ids`` with ``drafts`` (one per request, all from one drafter step; rows
         may differ in k_i: ``VerifyRequest.num_draft_tokens``), or decode them (``drafts`` None:
@@ -194,12 +194,14 @@ class EngineClients:
         ``on_partial``: for a multi-step call, stream it (``VerifyStream``) and call this with
         each partial ``VerifyResponse`` (new tokens of the rows since the last) as it comes; the
         returned response is still the whole call's; ``stream_interval``: decode steps per partial
-        message (``VerifyRequest.stream_interval``). Raises grpc.aio.AioRpcError, and ValueError
-        when a stream ends without its whole response.
+        message (``VerifyRequest.stream_interval``); ``max_decode_steps``: per request, the most
+        of the call's steps it runs (``VerifyRequest.max_decode_steps``; empty: all). Raises
+        grpc.aio.AioRpcError, and ValueError when a stream ends without its whole response.
         """
         request = engine_pb2.VerifyRequest(step_id=step_id, request_ids=request_ids)
         if not drafts and num_decode_steps > 1:
             request.num_decode_steps = num_decode_steps
+            request.max_decode_steps.extend(max_decode_steps)
         if drafts:
             request.draft_token_ids.CopyFrom(encode_token_ids([d.token_ids for d in drafts], is_ragged=True))
             request.num_draft_tokens.extend(len(d.token_ids) for d in drafts)

@@ -96,7 +96,8 @@ class StepLoop(Postprocess):
 
         async def verify_and_commit(reqs, drafts, n):
             response, rpc_ms = await self.engines.verify(self.step_id, [r.request_id for r in reqs], drafts,
-                                                         self._data_plane, n, on_partial, self.cfg.stream_interval)
+                                                         self._data_plane, n, on_partial, self.cfg.stream_interval,
+                                                         _row_caps(reqs, n))
             self._commit_group(reqs, drafts, response, rpc_ms, times, verify_start_s, verify_batch, streamed,
                                committed, named)
 
@@ -256,3 +257,11 @@ def _group_by_draft_step(spec_reqs: list[RequestState],
         by_draft[request.drafts.step_id].append(request)
     groups: list[tuple[list, list | None]] = [(reqs, [r.drafts for r in reqs]) for reqs in by_draft.values()]
     return groups + ([(plain_reqs, None)] if plain_reqs else [])
+
+
+def _row_caps(requests: list[RequestState], num_steps: int) -> list[int]:
+    """A multi-step call's ``max_decode_steps``: per request the tokens it has left before
+    ``max_tokens`` where that is fewer than ``num_steps`` (the verifier then ends its row there and
+    streams its last tokens at once); empty when no row would stop early or the call is one step."""
+    caps = [max(1, r.finish_params.max_tokens - len(r.output_token_ids)) for r in requests]
+    return caps if num_steps > 1 and min(caps, default=num_steps) < num_steps else []

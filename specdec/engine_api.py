@@ -78,11 +78,13 @@ class TargetEngine(Protocol):
     def verify(self, request_ids: list[str], draft_token_ids: list[list[int]], draft_probs) -> list:
         """Verify row i's k_i draft tokens (0: decode); ``StepOutput`` of accepted + 1 tokens each."""
 
-    def decode(self, request_ids: list[str], num_steps: int, on_step=None) -> list:
+    def decode(self, request_ids: list[str], num_steps: int, on_step=None, max_steps: list[int] | None = None) -> list:
         """``num_steps`` plain decode steps in one call (multi-step decoding); ``StepOutput`` of up
-        to ``num_steps`` tokens each (fewer for a row that reaches the context window).
-        ``on_step``: called in the engine thread after each step with the ``StepOutput``s of
-        the rows that got tokens in it (their new tokens only)."""
+        to ``num_steps`` tokens each: fewer for a row that reaches its cap ``max_steps[i]`` (None:
+        no caps), samples one of its stop tokens (``SamplingParams.stop_token_set``; it stops
+        after that step) or reaches the context window. ``on_step``: called in the engine thread
+        after each step with the ``StepOutput``s of the rows that got tokens in it (their new
+        tokens only; ``is_final`` on the last of a row that stops before the call's last step)."""
 
     def release(self, request_id: str) -> None: ...
 

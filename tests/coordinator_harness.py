@@ -67,6 +67,7 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
         self.num_dist_fetches, self.is_failing = 0, False
         self.decode_steps_seen: list[int] = []   # VerifyRequest.num_decode_steps > 1 seen
         self.stream_intervals_seen: list[int] = []   # VerifyRequest.stream_interval of each VerifyStream call
+        self.max_decode_steps_seen: list[tuple] = []  # (request ids, max_decode_steps) of each multi-step call
         self.call_ends_s: list[float] = []       # perf_counter at the end of each streamed call
         # as the vLLM verifier: requests added while a multi-step call runs decode in it too
         self.joins_decode, self._joined_ids = False, None
@@ -104,6 +105,7 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
         if request.num_decode_steps > 1:  # multi-step decoding: plain decode only
             assert not any(rows)
             self.decode_steps_seen.append(request.num_decode_steps)
+            self.max_decode_steps_seen.append((list(request.request_ids), list(request.max_decode_steps)))
             return self._decode(request, joined)
         outputs = []
         for request_id, drafts in zip(request.request_ids, rows):
@@ -126,7 +128,8 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
 
     async def VerifyStream(self, request, context):
         """``Verify``; a multi-step call streams each step's tokens (one partial message per
-        step, ``delay_s`` spread over the steps), then the whole call (``call_ends_s``: when)."""
+        step, ``delay_s`` spread over the steps; a row stops at its ``max_decode_steps`` cap),
+        then the whole call (``call_ends_s``: when)."""
         if request.num_decode_steps <= 1:
             yield await self.Verify(request, context)
             return
@@ -136,13 +139,16 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
             self._joined_ids = []
         self.decode_steps_seen.append(request.num_decode_steps)
         self.stream_intervals_seen.append(request.stream_interval)
+        self.max_decode_steps_seen.append((list(request.request_ids), list(request.max_decode_steps)))
         rows: dict[str, list[int]] = {rid: [] for rid in request.request_ids}
+        caps = dict(zip(request.request_ids, _caps(request)))
         for _ in range(request.num_decode_steps):
             await asyncio.sleep(self.delay_s / request.num_decode_steps)
-            for request_id, out in rows.items():
-                out.append(toy_next(self.committed[request_id] + out))
+            running = [rid for rid, out in rows.items() if len(out) < caps[rid]]
+            for request_id in running:
+                rows[request_id].append(toy_next(self.committed[request_id] + rows[request_id]))
             yield engine_pb2.VerifyResponse(step_id=request.step_id, is_partial=True, outputs=[
-                engine_pb2.SeqOutput(request_id=rid, token_ids=out[-1:], logprobs=[-0.25]) for rid, out in rows.items()])
+                engine_pb2.SeqOutput(request_id=rid, token_ids=rows[rid][-1:], logprobs=[-0.25]) for rid in running])
         joined, self._joined_ids = self._joined_ids or [], None
         whole = self._decode(request, joined)
         assert [list(out.token_ids) for out in whole.outputs[: len(rows)]] == list(rows.values())
@@ -153,7 +159,7 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
         """The named rows' ``num_decode_steps`` tokens, then (``joins_decode``) those of the
         requests added during the call: all but one step, their first token went with the add."""
         outputs = []
-        rows = [(rid, request.num_decode_steps) for rid in request.request_ids]
+        rows = list(zip(request.request_ids, _caps(request)))
         for request_id, num_steps in rows + [(rid, request.num_decode_steps - 1) for rid in joined
                                              if rid in self.committed]:
             seq, out = self.committed[request_id], []
@@ -342,3 +348,10 @@ def _workload(num_requests: int) -> list[tuple[str, list[int], dict]]:
 def _expected(prompt: list[int], sampling: dict) -> list[int]:
     return reference(prompt, FinishParams(sampling["max_tokens"], tuple(sampling.get("stop_token_ids", ())),
                                           sampling.get("ignore_eos", False)))
+
+
+def _caps(request) -> list[int]:
+    """Each named row's decode steps in a multi-step ``VerifyRequest`` (its ``max_decode_steps`` cap)."""
+    caps = list(request.max_decode_steps) or [request.num_decode_steps] * len(request.request_ids)
+    assert len(caps) == len(request.request_ids) and min(caps, default=1) >= 1
+    return [min(cap, request.num_decode_steps) for cap in caps]

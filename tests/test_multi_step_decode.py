@@ -229,7 +229,8 @@ def _stream_and_unary(tiny_llama, num_steps: int, stream_interval: int = 0):
     from minedraft.v1 import engine_pb2_grpc
     from verifier_svc.servicer import VerifierServicer
 
-    sampling = common_pb2.SamplingParams(temperature=1.0, seed=3, logprobs=1)
+    # ignore_eos: the tiny model samples its EOS now and then, which would end a row early
+    sampling = common_pb2.SamplingParams(temperature=1.0, seed=3, logprobs=1, ignore_eos=True)
     add = engine_pb2.AddRequestsRequest(seqs=[engine_pb2.SeqInit(request_id=rid, prompt_token_ids=p, sampling=sampling)
                                               for rid, p in PROMPTS.items()])
     verify = engine_pb2.VerifyRequest(step_id=7, request_ids=list(PROMPTS), num_decode_steps=num_steps,

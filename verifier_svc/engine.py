@@ -138,7 +138,7 @@ class VerifierEngine:
         draft_ids = self._draft_token_ids(request, len(ids))
         ks = _row_ks(request, len(ids), draft_ids.shape[1])
         _check_draft_ids(ids, draft_ids, ks, self.worker.facts().input_vocab_size)
-        _check_decode_steps(request.num_decode_steps, max(ks, default=0))
+        _check_decode_steps(request.num_decode_steps, max(ks, default=0), list(request.max_decode_steps), len(ids))
         start = time.perf_counter()
         with _tracer.start_as_current_span("verifier.data_plane_receive"):  # + broadcast to TP ranks
             probs = self._draft_probs(request, plane, ids, draft_ids, ks)
@@ -211,7 +211,8 @@ class VerifierEngine:
         ks = _row_ks(command, len(ids), draft_ids.shape[1])
         if command.num_decode_steps > 1:
             hook = None if on_step is None else StepCoalescer(on_step, command.stream_interval)
-            return [to_seq_output(step) for step in self.worker.decode(ids, command.num_decode_steps, hook)]
+            return [to_seq_output(step) for step in self.worker.decode(ids, command.num_decode_steps, hook,
+                                                                         list(command.max_decode_steps) or None)]
         steps = self.worker.verify(ids, [row[:k_i] for row, k_i in zip(draft_ids.tolist(), ks)], probs)
         return [to_seq_output(step) for step in steps]
 
@@ -279,9 +280,13 @@ def _check_probs_values(request_ids: list[str], probs: torch.Tensor, draft_ids: 
                              f"at positions < num_draft_tokens={k_i}")
 
 
-def _check_decode_steps(num_decode_steps: int, k: int) -> None:
-    """``VerifyRequest.num_decode_steps``: at most ``MAX_DECODE_STEPS``, and > 1 only without drafts."""
+def _check_decode_steps(num_decode_steps: int, k: int, max_decode_steps: list[int], num_rows: int) -> None:
+    """``VerifyRequest.num_decode_steps``: at most ``MAX_DECODE_STEPS``, and > 1 only without
+    drafts; ``max_decode_steps``: empty, or with ``num_decode_steps`` > 1 one cap >= 1 per row."""
     if num_decode_steps > MAX_DECODE_STEPS:
         raise ValueError(f"num_decode_steps: must be <= {MAX_DECODE_STEPS}, got {num_decode_steps}")
     if num_decode_steps > 1 and k > 0:
         raise ValueError(f"num_decode_steps: > 1 only for plain decoding (k = 0), got k = {k}")
+    if max_decode_steps and (num_decode_steps <= 1 or len(max_decode_steps) != num_rows or min(max_decode_steps) < 1):
+        raise ValueError(f"max_decode_steps: one cap >= 1 per row ({num_rows}) of a call with num_decode_steps > 1, "
+                         f"got {max_decode_steps[:8]} with num_decode_steps {num_decode_steps}")

@@ -20,7 +20,9 @@ from specdec.engine.worker_base import StepOutput
 class StepCoalescer:
     """The engine's per-step hook (``decode(..., on_step)``) for one streamed call: merges the
     steps' ``StepOutput`` rows per request and calls ``emit`` with them as ``SeqOutput`` protos
-    every ``interval`` steps.
+    every ``interval`` steps; a row whose part in the call ended (``StepOutput.is_final``: its
+    cap or a stop token) goes out at once, alone with the others that ended in that step, so
+    its request finishes then rather than up to ``interval`` - 1 steps later.
 
     Args:
         emit: called in the engine thread with one ``SeqOutput`` per request that decoded since
@@ -48,3 +50,6 @@ class StepCoalescer:
         if self._num_steps >= self.interval and self._rows:
             rows, self._rows, self._num_steps = self._rows, {}, 0
             self.emit([to_seq_output(row) for row in rows.values()])
+        elif any(step.is_final for step in steps):
+            self.emit([to_seq_output(self._rows.pop(step.request_id)) for step in steps
+                       if step.is_final and step.request_id in self._rows])

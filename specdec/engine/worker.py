@@ -135,9 +135,11 @@ class TargetWorker(Worker):
         return [self._commit(rid, state, kv_len, output[row], int(num_accepted[row]), logprobs[row])
                 for row, (rid, state, kv_len) in enumerate(zip(request_ids, states, kv_lens))]
 
-    def decode(self, request_ids: list[str], num_steps: int, on_step=None) -> list[StepOutput]:
-        """``num_steps`` decode steps in one call (``specdec.engine.worker_base.decode_steps``)."""
-        return decode_steps(self, request_ids, num_steps, on_step)
+    def decode(self, request_ids: list[str], num_steps: int, on_step=None,
+               max_steps: list[int] | None = None) -> list[StepOutput]:
+        """``num_steps`` decode steps in one call, row i at most ``max_steps[i]``
+        (``specdec.engine.worker_base.decode_steps``)."""
+        return decode_steps(self, request_ids, num_steps, on_step, max_steps)
 
     def _sample(self, states: list[RequestState], draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                 logits: torch.Tensor, num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

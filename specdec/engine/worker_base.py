@@ -35,7 +35,9 @@ class StepOutput:
     the raw logits (temperature 1, no top-k/top-p/min-p), natural log. ``top_logprobs[i]`` is
     ``(token ids, logprobs)`` of the ``params.logprobs`` most likely tokens at that position
     (same log-softmax, most likely first); empty when ``params.logprobs`` is 0. Both are empty
-    when ``params.logprobs`` is ``NO_LOGPROBS`` (-1).
+    when ``params.logprobs`` is ``NO_LOGPROBS`` (-1). ``is_final`` (a multi-step ``decode``'s
+    per-step outputs only): the row stops before the call's last step (its step cap, a stop
+    token, or the context window); the call decodes no more tokens for it.
     """
 
     request_id: str
@@ -43,6 +45,7 @@ class StepOutput:
     num_accepted: int
     logprobs: list[float]
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    is_final: bool = False
 
 
 def top_logprobs(logprobs: torch.Tensor, num_top: int) -> list[tuple[list[int], list[float]]]:
@@ -54,36 +57,66 @@ def top_logprobs(logprobs: torch.Tensor, num_top: int) -> list[tuple[list[int], 
     return list(zip(indices.tolist(), values.tolist()))
 
 
-def decode_steps(worker, request_ids: list[str], num_steps: int, on_step=None) -> list[StepOutput]:
+def decode_steps(worker, request_ids: list[str], num_steps: int, on_step=None,
+                 max_steps: list[int] | None = None) -> list[StepOutput]:
     """``num_steps`` plain decode steps (``worker.verify`` with k = 0) of ``request_ids``, merged
     into one ``StepOutput`` per request (multi-step decoding: one engine call for several
-    tokens). A step that hits the context window after the first stops the loop (it changes no
-    state), so every row then has the same, smaller, number of tokens.
+    tokens). A row stops early at its cap (``max_steps[i]``: the tokens it has left) or after a
+    step that samples one of its stop tokens (``SamplingParams.stop_token_set``); the other rows
+    go on. A step that hits the context window after the first stops the loop (it changes no
+    state), so every row still running then has the same, smaller, number of tokens.
 
-    ``on_step``: called after each step with that step's ``StepOutput``s (one token per row),
-    in the calling thread, before the next step runs (streamed multi-step decoding).
+    ``on_step``: called after each step with that step's ``StepOutput``s (one token per row
+    that ran it; ``is_final`` on the last of a row that stops before the call's last step), in
+    the calling thread, before the next step runs (streamed multi-step decoding).
 
     Raises:
-        ValueError: ``num_steps`` < 1; otherwise as ``worker.verify`` (first step only).
+        ValueError: ``num_steps`` < 1, or ``max_steps`` not one cap >= 1 per row; otherwise as
+            ``worker.verify`` (first step only).
+    """
+    caps = decode_step_caps(num_steps, max_steps, len(request_ids))
+    eos = worker.facts().eos_token_ids
+    stops = [state.params.stop_token_set(eos) for state in worker._states(request_ids)]
+    merged: list[StepOutput | None] = [None] * len(request_ids)
+    running = list(range(len(request_ids)))
+    for step_index in range(num_steps):
+        if not running:
+            break
+        try:
+            step = worker.verify([request_ids[i] for i in running], [[] for _ in running], None)
+        except CapacityError:
+            if step_index == 0:
+                raise
+            break
+        for i, out in zip(running, step):   # final: the row stops before the call's last step
+            out.is_final = step_index + 1 >= caps[i] < num_steps or not stops[i].isdisjoint(out.token_ids)
+            if merged[i] is None:
+                merged[i] = replace(out, token_ids=list(out.token_ids), logprobs=list(out.logprobs),
+                                    top_logprobs=list(out.top_logprobs), is_final=False)
+            else:
+                merged[i].token_ids += out.token_ids
+                merged[i].logprobs += out.logprobs
+                merged[i].top_logprobs += out.top_logprobs
+        if on_step is not None:
+            on_step(step)
+        running = [i for i, out in zip(running, step) if not out.is_final and step_index + 1 < caps[i]]
+    return merged
+
+
+def decode_step_caps(num_steps: int, max_steps: list[int] | None, num_rows: int) -> list[int]:
+    """Each row's decode steps in a ``num_steps`` call: ``min(num_steps, max_steps[i])``, or
+    ``num_steps`` for every row when ``max_steps`` is None or empty.
+
+    Raises:
+        ValueError: ``num_steps`` < 1, or ``max_steps`` is not one int >= 1 per row.
     """
     if num_steps < 1:
         raise ValueError(f"num_steps: must be >= 1, got {num_steps}")
-    merged = worker.verify(request_ids, [[] for _ in request_ids], None)
-    if on_step is not None:
-        on_step([replace(out, token_ids=list(out.token_ids), logprobs=list(out.logprobs),
-                         top_logprobs=list(out.top_logprobs)) for out in merged])
-    for _ in range(num_steps - 1):
-        try:
-            step = worker.verify(request_ids, [[] for _ in request_ids], None)
-        except CapacityError:
-            break
-        if on_step is not None:
-            on_step(step)
-        for out, new in zip(merged, step):
-            out.token_ids += new.token_ids
-            out.logprobs += new.logprobs
-            out.top_logprobs += new.top_logprobs
-    return merged
+    if not max_steps:
+        return [num_steps] * num_rows
+    if len(max_steps) != num_rows or any(int(n) < 1 for n in max_steps):
+        raise ValueError(f"max_decode_steps: one cap >= 1 per row ({num_rows}), got {list(max_steps)}")
+    return [min(num_steps, int(n)) for n in max_steps]
 
 
 class DraftCapacityError(CapacityError):

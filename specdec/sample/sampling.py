@@ -101,6 +101,12 @@ class SamplingParams:
         """True when a presence, frequency or repetition penalty is on."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    def stop_token_set(self, eos_token_ids) -> frozenset[int]:
+        """Token ids that end the request once sampled: ``stop_token_ids``, and the model's
+        ``eos_token_ids`` unless ``ignore_eos`` (the coordinator's finish rule,
+        ``coordinator.finish.apply_finish``; stop strings are the coordinator's alone)."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
+
     @property
     def is_greedy(self) -> bool:
         """True when temperature is 0 (argmax decoding, no randomness consumed)."""

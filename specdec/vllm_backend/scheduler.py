@@ -99,6 +99,15 @@ class PsdSchedulerMixin:
         self.psd_step = replace(step, request_ids=step.request_ids | frozenset(quotas),
                                 num_steps_of={**step.num_steps_of, **quotas})
 
+    def stop(self, request_id: str) -> None:
+        """End ``request_id``'s part in the current step after the sampling steps scheduled for
+        it so far (it sampled a stop token). Raises RuntimeError outside a named step."""
+        if self.psd_step is None:
+            raise RuntimeError("stop: no named step")
+        step = self.psd_step
+        self.psd_step = replace(step, num_steps_of={**step.num_steps_of,
+                                                    request_id: self.num_sampling_steps.get(request_id, 0)})
+
     def resume_session(self, request_id: str, num_kept: int, new_token_ids: list[int], max_tokens: int,
                        sampling_params) -> None:
         """Resume the resumable request ``request_id`` (waiting for its next input chunk): keep

@@ -23,8 +23,9 @@ and releases it), and each call runs one ``PsdScheduler`` step on exactly the na
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from specdec.engine.worker_base import decode_step_caps
 from specdec.engine_api import EngineFacts
 from specdec.errors import CapacityError
 from specdec.sample.sampling import SamplingParams
@@ -33,6 +34,7 @@ from specdec.vllm_backend.engine import (VllmEngineConfig, build_engine, refusal
                                          to_vllm_sampling)
 from specdec.vllm_backend.joining import CallJoins, Join
 from specdec.vllm_backend.outputs import StepDelta, collect_step, engine_facts, step_output
+from specdec.vllm_backend.row_ends import RowEnds
 from specdec.vllm_backend.scheduler import PsdStep
 
 MAX_PREFILL_STEPS = 64   # chunked prefill: steps until every new prompt has its first token
@@ -152,7 +154,7 @@ class VllmTargetWorker:
             raise
 
     def verify(self, request_ids: list[str], draft_token_ids: list[list[int]], draft_probs=None, num_steps: int = 1,
-               on_step=None):
+               on_step=None, max_steps: list[int] | None = None):
         """One target step over ``request_ids``: row i verifies its k_i = ``len(draft_token_ids[i])``
         draft tokens (0: plain decode) in one forward of k_i + 1 positions.
 
@@ -162,6 +164,7 @@ class VllmTargetWorker:
             draft_probs: ignored (see the module docstring); accepted for the seam's signature.
             num_steps: plain decode steps in this call (> 1: every row without drafts; ``decode``).
             on_step: ``decode``'s (called after each engine step with the named rows' new tokens).
+            max_steps: ``decode``'s per-row caps (None: ``num_steps`` each).
 
         Returns:
             b ``StepOutput``s of ``num_accepted + 1`` tokens each, in order; then, after a
@@ -182,8 +185,10 @@ class VllmTargetWorker:
         finished = [rid for rid, s in zip(request_ids, states) if s.is_finished]
         if finished:
             raise CapacityError(f"requests {finished} reached max_model_len={self.cfg.max_model_len}")
+        caps = decode_step_caps(num_steps, max_steps, len(states))
         step = PsdStep(frozenset(s.vllm_id for s in states),
-                       {s.vllm_id: list(row) for s, row in zip(states, draft_token_ids) if row}, num_steps)
+                       {s.vllm_id: list(row) for s, row in zip(states, draft_token_ids) if row}, num_steps,
+                       {s.vllm_id: cap for s, cap in zip(states, caps) if cap < num_steps})
         outputs = self._run(step, self._streamer(request_ids, on_step))
         missing = [rid for rid in request_ids if rid not in outputs]
         if missing:
@@ -195,28 +200,32 @@ class VllmTargetWorker:
         return [step_output(rid, outputs[rid], len(row), s.params.logprobs)
                 for rid, s, row in zip(request_ids, states, draft_token_ids)] + joined
 
-    def decode(self, request_ids: list[str], num_steps: int, on_step=None):
+    def decode(self, request_ids: list[str], num_steps: int, on_step=None, max_steps: list[int] | None = None):
         """``num_steps`` plain decode steps over ``request_ids`` in one call (multi-step decoding:
         under vLLM's async scheduling, step i + 1 is scheduled while step i runs).
 
         Args:
             request_ids: b resident requests.
-            num_steps: decode steps (>= 1); a row that reaches ``max_model_len`` stops early.
+            num_steps: decode steps (>= 1). A row stops early at its cap, after a step that
+                samples one of its stop tokens (``SamplingParams.stop_token_set``; under async
+                scheduling its next step may be scheduled already: one token more), or at
+                ``max_model_len``; the other rows go on.
             on_step: None, or called in this thread after each engine step, before the next is
                 scheduled, with the ``StepOutput``s (``num_accepted`` 0) of the named rows that got
-                tokens in it: their new tokens only (streamed multi-step decoding).
+                tokens in it: their new tokens only, ``is_final`` on the last of a row that stops
+                before the call's last step (streamed multi-step decoding).
+            max_steps: None, or per row the most steps it runs (>= 1; the tokens it has left
+                before ``max_tokens``).
 
         Returns:
             b ``StepOutput``s of up to ``num_steps`` tokens each (``num_accepted`` 0), in order,
             then those of the requests that joined the call (see ``verify``).
 
         Raises:
-            KeyError: an unknown request id. ValueError: ``num_steps`` < 1.
+            KeyError: an unknown request id. ValueError: ``num_steps`` < 1, a cap < 1.
             CapacityError: a row already at ``max_model_len``. RuntimeError: a row did not run.
         """
-        if num_steps < 1:
-            raise ValueError(f"num_steps: must be >= 1, got {num_steps}")
-        return self.verify(request_ids, [[] for _ in request_ids], None, num_steps=num_steps, on_step=on_step)
+        return self.verify(request_ids, [[] for _ in request_ids], None, num_steps, on_step, max_steps)
 
     def _streamer(self, request_ids: list[str], on_step):
         """``_run``'s per-engine-step hook for ``on_step``: {request id: one step's
@@ -225,9 +234,9 @@ class VllmTargetWorker:
             return None
         named = [(rid, self._requests[rid].params.logprobs) for rid in request_ids]
 
-        def hook(outputs: dict) -> None:
-            steps = [step_output(rid, outputs[rid], 0, num_top) for rid, num_top in named
-                     if rid in outputs and outputs[rid].token_ids]
+        def hook(outputs: dict, final: set[str]) -> None:
+            steps = [replace(step_output(rid, outputs[rid], 0, num_top), is_final=rid in final)
+                     for rid, num_top in named if rid in outputs and outputs[rid].token_ids]
             if steps:
                 on_step(steps)
         return hook
@@ -238,29 +247,33 @@ class VllmTargetWorker:
         deltas}. Under async scheduling the engine scheduled one more (empty: every quota is
         spent) batch meanwhile; it stays queued and the next call's first step pops it, since a
         queue of resident requests never drains (each step schedules again). A multi-step call
-        takes joins (``join_running_call``) until its rows are done. ``on_engine_step``: called
-        with each engine step's {request id: ``CompletionOutput`` delta} (``_streamer``)."""
+        takes joins (``join_running_call``) until its rows are done, and ends a row's part after
+        a step that samples one of its stop tokens (``RowEnds``). ``on_engine_step``: called with
+        each engine step's {request id: ``CompletionOutput`` delta} and the ids whose part in the
+        call that step ended (``_streamer``)."""
         self.scheduler.set_step(step)
         by_vllm_id = {state.vllm_id: rid for rid, state in self._requests.items()}
         merged: dict[str, StepDelta] = {}
         takes_joins, joined, quotas = step.num_steps > 1, [], {}
+        ends = RowEnds(self.scheduler, self._facts.eos_token_ids)
         if takes_joins:
+            ends.add({by_vllm_id[v]: self._requests[by_vllm_id[v]] for v in step.request_ids if v in by_vllm_id})
             self._joins.open()
         try:
             is_done = False
             for _ in range(step.num_steps + MAX_PREFILL_STEPS):
                 if takes_joins and not is_done:
-                    left = step.num_steps - max((merged[by_vllm_id[v]].num_steps for v in step.request_ids
-                                                 if by_vllm_id.get(v) in merged), default=0)
-                    joined += self._take_joins(left, quotas)
+                    joined += self._take_joins(ends.steps_left(step.request_ids, by_vllm_id, merged), quotas, ends)
                 outputs = collect_step(self.engine.step())
                 for rid, output in outputs.items():
                     merged.setdefault(rid, StepDelta()).add(output)
+                final = ends.after_step(outputs, merged)
                 if on_engine_step is not None:
-                    on_engine_step(outputs)
+                    on_engine_step(outputs, final)
                 joined = self._resolve_joins(joined, merged)
-                is_done = all(_is_done(merged.get(by_vllm_id.get(v, v)), step.num_steps) for v in step.request_ids)
-                if is_done and not joined and all(_is_done(merged.get(rid), n) for rid, n in quotas.items()):
+                is_done = all(ends.is_done(v, merged.get(by_vllm_id.get(v, v))) for v in step.request_ids)
+                if is_done and not joined and all(ends.is_done(self._requests[rid].vllm_id, merged.get(rid))
+                                                  for rid in quotas if rid in self._requests):
                     break
             else:
                 raise RuntimeError(f"vLLM did not finish {step.num_steps} steps in {step.num_steps + MAX_PREFILL_STEPS}")
@@ -277,11 +290,11 @@ class VllmTargetWorker:
         self._add_late(late)
         return merged
 
-    def _take_joins(self, num_steps_left: int, quotas: dict[str, int]) -> list[tuple[Join, dict]]:
+    def _take_joins(self, num_steps_left: int, quotas: dict[str, int], ends: "RowEnds") -> list[tuple[Join, dict]]:
         """Add the submitted joins to the engine and to the running step: each request samples
         as many tokens as the call's rows have steps left (at least its first, at most its
-        ``max_tokens``; recorded in ``quotas``). A refused batch fails alone (its future gets
-        the error)."""
+        ``max_tokens``; recorded in ``quotas``), and stops at its stop tokens (``ends``). A
+        refused batch fails alone (its future gets the error)."""
         taken = []
         for join in self._joins.take():
             try:
@@ -291,6 +304,7 @@ class VllmTargetWorker:
                 continue
             new = {rid: max(1, min(num_steps_left, state.params.max_tokens)) for rid, state in added.items()}
             quotas.update(new)
+            ends.add(added)
             self.scheduler.join({added[rid].vllm_id: n for rid, n in new.items()})
             taken.append((join, added))
         return taken
@@ -334,5 +348,3 @@ class VllmTargetWorker:
         return len(self._requests)
 
 
-def _is_done(delta, num_steps: int) -> bool:
-    return delta is not None and (delta.num_steps >= num_steps or delta.finish_reason is not None)

@@ -19,7 +19,7 @@ from specdec.vllm_backend.target import VllmTargetWorker
 
 SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
 VOCAB, MAX_LEN = 128, 96
-GREEDY = SamplingParams(temperature=0.0, seed=0)
+GREEDY = SamplingParams(temperature=0.0, seed=0, ignore_eos=True)   # EOS would end a row early (test_row_ends.py)
 
 
 def _prompt(seed: int, n: int) -> list[int]:
