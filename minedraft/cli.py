@@ -93,9 +93,9 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue-len", type=int, default=1024, help="coordinator: most waiting requests "
                                                                    "(more get RESOURCE_EXHAUSTED / HTTP 429)")
     p.add_argument("--grace", type=float, default=5.0, help="coordinator and gateway: drain seconds on SIGTERM")
-    p.add_argument("--decode-steps", type=int, default=1,
+    p.add_argument("--decode-steps", type=int, default=None,
                    help="ar steps decode this many tokens per request in one Verify call (multi-step "
-                        "decoding: fewer round trips)")
+                        "decoding: fewer round trips; default 32 with --engine vllm, 1 with native)")
     p.add_argument("--stream-decode-steps", action=argparse.BooleanOptionalAction, default=True,
                    help="stream a multi-step call's tokens as each step decodes them (default); "
                         "--no-stream-decode-steps: at the call's end, one chunk per call")

@@ -27,6 +27,13 @@ OWN_GPU_UTILIZATION = 0.85
 VLLM_VENV_PYTHON = os.path.join(".venv-vllm", "bin", "python")
 VLLM_CPU_BLOCK_TOKENS = 128   # vLLM's CPU KV block: each request's tokens round up to whole blocks
 MIN_KV_GIB = 0.25
+# `ar` steps' tokens per request and Verify call (``--decode-steps``) when none is given. vLLM: 32,
+# whose verifier admits a newcomer between two steps of a running call
+# (``specdec.vllm_backend.joining``) and ends a row at its max_tokens or stop token at once
+# (``specdec.vllm_backend.row_ends``), so long calls cost neither TTFT nor late finishes (H200,
+# 8B shape: 0.46-0.53x of vLLM's server at 1 token per call, 0.90-0.97x at 32; BENCHMARKS.md).
+# native: 1, whose verifier admits newcomers only after a call (their TTFT would grow by it).
+DEFAULT_DECODE_STEPS = {"native": 1, "vllm": 32}
 
 
 def repo_root() -> str:

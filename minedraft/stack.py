@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from coordinator.config import DEFAULT_STREAM_INTERVAL, MAX_DECODE_STEPS
 from gateway.config import DEFAULT_MAX_N
 from specdec.sample.bench_only import check_acceptance_prob, fixed_acceptance_label
-from minedraft.engine_backend import ENGINES, engine_python, vllm_service_args
+from minedraft.engine_backend import DEFAULT_DECODE_STEPS, ENGINES, engine_python, vllm_service_args
 from minedraft.placement import ALL_SMS, NO_GPU, NO_GPUS, Placement
 from minedraft.probes import free_loopback_ports  # noqa: F401  (part of the stack API)
 
@@ -94,7 +94,8 @@ class StackConfig:
         max_queue_len: the coordinator's waiting-request limit; grace_s: drain seconds on SIGTERM
             of the coordinator and the gateway.
         num_decode_steps: the coordinator's ``--decode-steps`` (tokens per request and Verify
-            call in ``ar`` steps: multi-step decoding; 1 = one); stream_decode_steps: its
+            call in ``ar`` steps: multi-step decoding; 1 = one; None: the engine's default,
+            ``engine_backend.DEFAULT_DECODE_STEPS``: 32 on vllm, 1 on native); stream_decode_steps: its
             ``--[no-]stream-decode-steps`` (tokens reach the streams as each step decodes them);
             stream_interval: its ``--stream-interval`` (decode steps per streamed partial message).
     """
@@ -141,7 +142,7 @@ class StackConfig:
     api_key: str = ""
     max_queue_len: int = 1024
     grace_s: float = 5.0
-    num_decode_steps: int = 1
+    num_decode_steps: int | None = None
     stream_decode_steps: bool = True
     stream_interval: int = DEFAULT_STREAM_INTERVAL
 
@@ -171,7 +172,8 @@ class StackConfig:
                                        "must be >= 0 (0 = no limit)"),
             "engine": (self.engine in ENGINES, f"must be one of {ENGINES}"),
             "max_queue_len": (self.max_queue_len >= 1, "must be >= 1"),
-            "num_decode_steps": (1 <= self.num_decode_steps <= MAX_DECODE_STEPS, f"must be in [1, {MAX_DECODE_STEPS}]"),
+            "num_decode_steps": (self.num_decode_steps is None or 1 <= self.num_decode_steps <= MAX_DECODE_STEPS,
+                                 f"must be in [1, {MAX_DECODE_STEPS}] (None: the engine's default)"),
             "stream_interval": (1 <= self.stream_interval <= MAX_DECODE_STEPS, f"must be in [1, {MAX_DECODE_STEPS}]"),
             "grace_s": (0 <= self.grace_s < self.stop_timeout_s, "must be >= 0 and below stop_timeout_s"),
             "gpu_memory_utilization": (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
@@ -200,6 +202,11 @@ class StackConfig:
         """Where the engines run (raises ValueError naming a bad device flag)."""
         return Placement(self.device, tuple(self.verifier_gpus), self.drafter_gpu, self.tensor_parallel_size,
                          self.cuda_mps, self.verifier_sm_percent)
+
+    @property
+    def decode_steps(self) -> int:
+        """The coordinator's ``--decode-steps``: ``num_decode_steps``, else the engine's default."""
+        return self.num_decode_steps or DEFAULT_DECODE_STEPS[self.engine]
 
     @property
     def has_drafter(self) -> bool:
@@ -343,7 +350,7 @@ def coordinator_spec(cfg: StackConfig) -> ServiceSpec:
             "--host", cfg.host, "--port", str(cfg.coordinator_port), "--metrics-port", str(cfg.metrics_port),
             "--k-policy", cfg.k_policy, "--balancer", cfg.balancer,
             "--max-num-batched-tokens", str(_batched_tokens(cfg)), "--max-queue-len", str(cfg.max_queue_len),
-            "--grace", repr(cfg.grace_s), "--decode-steps", str(cfg.num_decode_steps),
+            "--grace", repr(cfg.grace_s), "--decode-steps", str(cfg.decode_steps),
             "--stream-decode-steps" if cfg.stream_decode_steps else "--no-stream-decode-steps",
             "--stream-interval", str(cfg.stream_interval)]
     if cfg.step_log:

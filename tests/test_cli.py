@@ -229,6 +229,16 @@ def test_up_passes_decode_steps_to_the_coordinator():
     assert coordinator[coordinator.index("--stream-interval") + 1] == "3"
 
 
+@pytest.mark.parametrize("engine, steps", [("native", "1"), ("vllm", "32")])
+def test_up_decodes_the_engines_default_tokens_per_ar_call(engine, steps):
+    """Without --decode-steps: 32 on vLLM (its verifier admits newcomers inside a call), 1 on native."""
+    from minedraft.cli import build_parser, stack_config
+
+    args = build_parser().parse_args(["up", "--mode", "ar", "--engine", engine, "--engine-python", sys.executable])
+    coordinator = {s.name: s for s in build_service_specs(stack_config(args, args.mode), "/target")}["coordinator"].argv
+    assert coordinator[coordinator.index("--decode-steps") + 1] == steps
+
+
 @pytest.mark.parametrize("field, value", [("max_queue_len", 0), ("grace_s", -1.0), ("grace_s", 20.0),
                                           ("num_decode_steps", 0), ("num_decode_steps", 65),
                                           ("stream_interval", 0), ("stream_interval", 65)])

@@ -82,7 +82,7 @@ class CompareConfig:
     startup_timeout_s: float = 600.0
     enforce_eager: bool = False
     vllm_python: str = ""
-    decode_steps: int = 1
+    decode_steps: int | None = None   # None: the engine's default (minedraft.engine_backend.DEFAULT_DECODE_STEPS)
 
     def __post_init__(self) -> None:
         for name in self.systems:
@@ -90,7 +90,7 @@ class CompareConfig:
                 raise ValueError(f"systems: {name!r} limits the verifier's SMs under MPS: needs --cuda-mps")
         checks = {"concurrencies": all(c >= 1 for c in self.concurrencies) and bool(self.concurrencies),
                   "max_tokens": self.max_tokens >= 1, "k": self.k >= 1, "m": self.m >= 1,
-                  "requests_per_client": self.requests_per_client >= 1, "decode_steps": 1 <= self.decode_steps <= 64,
+                  "requests_per_client": self.requests_per_client >= 1, "decode_steps": self.decode_steps is None or 1 <= self.decode_steps <= 64,
                   "fixed_acceptance": self.fixed_acceptance is None or 0 <= self.fixed_acceptance <= 1}
         for name, is_ok in checks.items():
             if not is_ok:
@@ -218,7 +218,8 @@ def parse_args(argv: list[str] | None) -> CompareConfig:
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--vllm-python", default="", help="the Python with vLLM (default: engine_backend's choice)")
-    p.add_argument("--decode-steps", type=int, default=1, help="ours: tokens per Verify call in ar steps (multi-step)")
+    p.add_argument("--decode-steps", type=int, default=None,
+                   help="ours: tokens per Verify call in ar steps (multi-step; default: the engine's, 32 on vllm, 1 on native)")
     a = p.parse_args(argv)
     return CompareConfig(out_dir=a.out_dir, work_dir=a.work_dir, data=a.data, systems=tuple(a.systems.split(",")),
                          concurrencies=_ints(a.concurrencies), requests_per_client=a.requests_per_client,
