@@ -7,7 +7,8 @@ stop token (``SamplingParams.stop_token_set``: stop ids, EOS unless ``ignore_eos
 decoding on, every token the uncapped reference's; ``on_step`` flags those rows' last outputs
 ``is_final``; ``StepCoalescer`` sends such a row at once, alone; through ``VerifyStream`` a row
 capped at 3 in a 10-step call with a partial every 8 steps arrives in a partial of its own
-before the first 8-step one; bad caps are refused naming ``max_decode_steps``; the coordinator
+before the first 8-step one; bad caps are refused naming ``max_decode_steps`` (over gRPC:
+INVALID_ARGUMENT, and the next call is served); the coordinator
 sends each request's tokens left as its cap, and outputs stay the reference.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from coordinator.stepping import _row_caps
@@ -90,7 +92,9 @@ def test_step_coalescer_sends_a_final_row_at_once_alone() -> None:
     assert len(emitted) == 2 and [(o.request_id, list(o.token_ids)) for o in emitted[1]] == [("b", [2, 4, 5, 6, 7, 8, 9, 10])]
 
 
-def test_verify_stream_sends_a_capped_row_before_the_interval(tiny_llama) -> None:
+def _serve_verify_stream(tiny_llama, *requests: engine_pb2.VerifyRequest) -> list:
+    """Through a served ``VerifierServicer`` (native float64 engine, ``PROMPTS`` added greedily):
+    per request, its ``VerifyStream`` messages, or the ``grpc.aio.AioRpcError`` it ended with."""
     from coordinator_harness import _serve
     from minedraft.serving import aio_channel
     from minedraft.v1 import engine_pb2_grpc
@@ -99,27 +103,46 @@ def test_verify_stream_sends_a_capped_row_before_the_interval(tiny_llama) -> Non
     sampling = common_pb2.SamplingParams(temperature=0.0, seed=3, ignore_eos=True, max_tokens=50)
     add = engine_pb2.AddRequestsRequest(seqs=[engine_pb2.SeqInit(request_id=rid, prompt_token_ids=p, sampling=sampling)
                                               for rid, p in PROMPTS.items()])
-    verify = engine_pb2.VerifyRequest(step_id=5, request_ids=list(PROMPTS), num_decode_steps=10, stream_interval=8,
-                                      max_decode_steps=[10, 3, 10], data_plane=engine_pb2.DATA_PLANE_INLINE)
 
     async def main():
         servicer = VerifierServicer("tiny", engine_pb2.DATA_PLANE_INLINE)
         servicer.attach(VerifierEngine(_worker(tiny_llama), seed=0))
         server, address = await _serve(engine_pb2_grpc.add_VerifierServicer_to_server, servicer,
                                        "minedraft.v1.Verifier")
+        results = []
         try:
             async with aio_channel(address) as channel:
                 stub = engine_pb2_grpc.VerifierStub(channel)
                 await stub.AddRequests(add)
-                return [m async for m in stub.VerifyStream(verify)]
+                for request in requests:
+                    try:
+                        results.append([m async for m in stub.VerifyStream(request)])
+                    except grpc.aio.AioRpcError as exc:
+                        results.append(exc)
+            return results
         finally:
             await server.stop(None)
 
-    messages = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_verify_stream_sends_a_capped_row_before_the_interval(tiny_llama) -> None:
+    verify = engine_pb2.VerifyRequest(step_id=5, request_ids=list(PROMPTS), num_decode_steps=10, stream_interval=8,
+                                      max_decode_steps=[10, 3, 10], data_plane=engine_pb2.DATA_PLANE_INLINE)
+    messages, = _serve_verify_stream(tiny_llama, verify)
     rows = [[(o.request_id, len(o.token_ids)) for o in m.outputs] for m in messages]
     assert rows[0] == [("b", 3)] and messages[0].is_partial, rows    # b alone, at its 3rd step
     assert rows[1] == [("a", 8), ("c", 8)] and messages[1].is_partial, rows
     assert rows[2] == [("a", 10), ("b", 3), ("c", 10)] and not messages[2].is_partial, rows
+
+
+def test_bad_caps_get_invalid_argument_and_the_verifier_serves_on(tiny_llama) -> None:
+    bad = engine_pb2.VerifyRequest(step_id=1, request_ids=list(PROMPTS), num_decode_steps=6, max_decode_steps=[2, 0, 2])
+    good = engine_pb2.VerifyRequest(step_id=2, request_ids=list(PROMPTS), num_decode_steps=6, max_decode_steps=[2, 6, 4])
+    refused, served = _serve_verify_stream(tiny_llama, bad, good)
+    assert isinstance(refused, grpc.aio.AioRpcError) and refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_decode_steps" in refused.details()
+    assert [len(o.token_ids) for o in served[-1].outputs] == [2, 6, 4]
 
 
 def test_verifier_refuses_bad_caps(tiny_llama) -> None:
