@@ -35,6 +35,9 @@ export PYTHONPATH=$SITE:$PWD
 python3 -c 'import torch, vllm, transformers, grpc; print("torch", torch.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__, "grpc", grpc.__version__, "gpus", torch.cuda.device_count())' || exit 1
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 mkdir -p "$OUT/$TABLE"
+# host memory and GPU memory every 30 s to watch.log; our processes killed before the host runs out (WATCH_MIN_MIB)
+bash bench/engines/device_watchdog.sh "$OUT/$TABLE/watch.log" "${WATCH_MIN_MIB:-8192}" 5 & WATCHDOG=$!
+trap 'kill $WATCHDOG 2>/dev/null' EXIT
 rm -rf /root/cache/models/random-*   # written by an older checkout (before `architectures` was set)
 if [ -n "${SMOKE:-}" ]; then   # SMOKE_ARGS: bench.engines.vllm_backend_smoke's flags; its profile comes back as one tar
   timeout "${SMOKE_TIMEOUT:-240}" python3 -m bench.engines.vllm_backend_smoke --device cuda --profile-out /tmp/prof \
