@@ -24,26 +24,12 @@ from coordinator_harness import Harness, _expected, wait_until
 from minedraft.v1 import common_pb2, engine_pb2
 from specdec.engine.worker_base import StepOutput
 from specdec.sample.sampling import SamplingParams
+from step_recorder import decode_recorded
 from test_multi_step_decode import PROMPTS, _worker
 from verifier_svc.engine import VerifierEngine
 from verifier_svc.streaming import StepCoalescer
 
 GREEDY = SamplingParams(temperature=0.0, seed=0, ignore_eos=True)
-
-
-def _decode(worker, num_steps: int, max_steps=None, ids=tuple(PROMPTS)):
-    """(tokens by id, per id the 1-based steps of its ``on_step`` outputs, per id those flagged final)."""
-    seen, final, step_no = {}, {}, [0]
-
-    def on_step(steps):
-        step_no[0] += 1
-        for s in steps:
-            seen.setdefault(s.request_id, []).append(step_no[0])
-            if s.is_final:
-                final.setdefault(s.request_id, []).append(step_no[0])
-
-    outs = worker.decode(list(ids), num_steps, on_step, max_steps)
-    return {o.request_id: list(o.token_ids) for o in outs}, seen, final
 
 
 def _reference(tiny_llama, params: dict, num_steps: int) -> dict[str, list[int]]:
@@ -56,11 +42,11 @@ def test_native_capped_rows_get_their_cap(tiny_llama) -> None:
     ref = _reference(tiny_llama, GREEDY, 10)
     worker = _worker(tiny_llama)
     worker.add_requests([(rid, p, GREEDY) for rid, p in PROMPTS.items()])
-    tokens, seen, final = _decode(worker, 8, [3, 8, 20])
+    tokens, seen, final = decode_recorded(worker, PROMPTS, 8, [3, 8, 20])
     assert tokens == {"a": ref["a"][:3], "b": ref["b"][:8], "c": ref["c"][:8]}
     assert seen["a"] == [1, 2, 3] and seen["b"] == seen["c"] == list(range(1, 9))
     assert final == {"a": [3]}     # b and c end with the call (c's cap 20 > 8): not flagged
-    again, _, _ = _decode(worker, 2, ids=["a"])
+    again, _, _ = decode_recorded(worker, ["a"], 2)
     assert again == {"a": ref["a"][3:5]}
 
 
@@ -74,7 +60,7 @@ def test_native_row_stops_after_its_stop_token_and_eos_unless_ignored(tiny_llama
     assert params["b"].stop_token_set(eos) == {stop} and params["c"].stop_token_set(eos) == frozenset(eos)
     worker = _worker(tiny_llama)
     worker.add_requests([(rid, p, params[rid]) for rid, p in PROMPTS.items()])
-    tokens, seen, final = _decode(worker, 8)
+    tokens, seen, final = decode_recorded(worker, PROMPTS, 8)
     assert tokens["a"] == ref["a"][:8] and tokens["b"] == ref["b"][:stop_at]
     assert final["b"] == [stop_at] and max(seen["b"]) == stop_at
     eos_at = next((i + 1 for i, t in enumerate(ref["c"][:8]) if t in eos), None)

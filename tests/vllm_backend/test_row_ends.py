@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from specdec.sample.sampling import SamplingParams
+from step_recorder import decode_recorded
 from test_call_joins import _StepHook
 from test_multi_step_decode import GREEDY, _hf_greedy, _prompt, ar_target, model, sd_target  # noqa: F401 (fixtures)
 
@@ -23,32 +24,16 @@ def target(request):
     return request.getfixturevalue(request.param)
 
 
-def _decode(target, rows: dict, num_steps: int, max_steps=None):
-    """(``decode``'s outputs by id, per id the step numbers (1-based) of its ``on_step`` outputs,
-    per id the step numbers flagged ``is_final``)."""
-    seen, final, step_no = {}, {}, [0]
-
-    def on_step(steps):
-        step_no[0] += 1
-        for s in steps:
-            seen.setdefault(s.request_id, []).append(step_no[0])
-            if s.is_final:
-                final.setdefault(s.request_id, []).append(step_no[0])
-
-    outs = target.decode(list(rows), num_steps, on_step, max_steps)
-    return {o.request_id: list(o.token_ids) for o in outs}, seen, final
-
-
 def test_capped_rows_get_their_cap_and_the_others_every_step(target, model) -> None:
     rows = {"a": _prompt(11, 9), "b": _prompt(12, 14), "c": _prompt(13, 6)}
     refs = {rid: _hf_greedy(model[1], p, 12) for rid, p in rows.items()}
     target.add_requests([(rid, p, GREEDY) for rid, p in rows.items()])
     try:
-        tokens, seen, final = _decode(target, rows, 8, [3, 8, 5])
+        tokens, seen, final = decode_recorded(target, rows, 8, [3, 8, 5])
         assert tokens == {"a": refs["a"][1:4], "b": refs["b"][1:9], "c": refs["c"][1:6]}
         assert seen == {"a": [1, 2, 3], "b": list(range(1, 9)), "c": [1, 2, 3, 4, 5]}
         assert final == {"a": [3], "c": [5]}   # b ends with the call: not flagged
-        again, _, _ = _decode(target, {"a": rows["a"]}, 3)   # resident, goes on from its 4th token
+        again, _, _ = decode_recorded(target, ["a"], 3)   # resident, goes on from its 4th token
         assert again == {"a": refs["a"][4:7]}
     finally:
         for rid in rows:
@@ -63,13 +48,13 @@ def test_a_row_stops_after_its_stop_token(target, model) -> None:
     params = {"s": SamplingParams(temperature=0.0, seed=0, stop_token_ids=(stop,)), "t": GREEDY}
     target.add_requests([(rid, p, params[rid]) for rid, p in rows.items()])
     try:
-        tokens, seen, final = _decode(target, rows, 8)
+        tokens, seen, final = decode_recorded(target, rows, 8)
         assert tokens["t"] == refs["t"][1:9]
         # stopped after the stop token (the async scheduler may have run one step more)
         assert tokens["s"][:stop_at] == refs["s"][1:stop_at + 1] and stop_at <= len(tokens["s"]) <= stop_at + 1
         assert final["s"][0] == stop_at and "t" not in final
         assert max(seen["s"]) <= stop_at + 1
-        again, _, _ = _decode(target, {"s": rows["s"]}, 2)   # resident: decodes on where it stopped
+        again, _, _ = decode_recorded(target, ["s"], 2)   # resident: decodes on where it stopped
         done = len(tokens["s"])
         assert again == {"s": refs["s"][done + 1:done + 3]}
     finally:
