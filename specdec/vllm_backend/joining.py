@@ -13,6 +13,7 @@ Joins that arrive as the call ends are prefilled by the call before it returns.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -63,3 +64,58 @@ class CallJoins:
             self._is_open = False
             pending, self._pending = self._pending, []
             return pending
+
+
+class JoiningCallsMixin:
+    """``VllmTargetWorker``'s side of joins: a running multi-step call takes the submitted joins
+    between two of its steps, resolves each once its requests have their first token, and fails
+    them with the call. Uses the worker's ``_joins`` (``CallJoins``), ``_requests``, ``scheduler``,
+    ``engine``, ``_add_to_engine``, ``_first_tokens`` and ``add_requests``."""
+
+    def _take_joins(self, num_steps_left: int, quotas: dict[str, int], ends) -> list[tuple[Join, dict]]:
+        # ends: the call's ``specdec.vllm_backend.row_ends.RowEnds``
+        """Add the submitted joins to the engine and to the running step: each request samples
+        as many tokens as the call's rows have steps left (at least its first, at most its
+        ``max_tokens``; recorded in ``quotas``), and stops at its stop tokens (``ends``). A
+        refused batch fails alone (its future gets the error)."""
+        taken = []
+        for join in self._joins.take():
+            try:
+                added = self._add_to_engine(join.items)
+            except BaseException as exc:
+                join.future.set_exception(exc)
+                continue
+            new = {rid: max(1, min(num_steps_left, state.params.max_tokens)) for rid, state in added.items()}
+            quotas.update(new)
+            ends.add(added)
+            self.scheduler.join({added[rid].vllm_id: n for rid, n in new.items()})
+            taken.append((join, added))
+        return taken
+
+    def _resolve_joins(self, joined: list, merged: dict) -> list:
+        """Resolve each join whose requests all have their first token; returns the others."""
+        waiting = []
+        for join, added in joined:
+            if all(rid in merged and merged[rid].token_ids for rid in added):
+                join.future.set_result(self._first_tokens(join.items, added, merged))
+            else:
+                waiting.append((join, added))
+        return waiting
+
+    def _fail_joins(self, joined: list, exc: BaseException) -> None:
+        """The call failed: its joins fail with it, their requests leave the engine."""
+        for join, added in joined:
+            for rid in added:
+                self._requests.pop(rid, None)
+            with contextlib.suppress(Exception):  # the engine itself may be what failed
+                if added:
+                    self.engine.abort_request([state.vllm_id for state in added.values()], internal=True)
+            join.future.set_exception(exc)
+
+    def _add_late(self, late: list[Join]) -> None:
+        """Joins submitted as the call ended: prefilled now, each batch on its own."""
+        for join in late:
+            try:
+                join.future.set_result(self.add_requests(join.items))
+            except BaseException as exc:
+                join.future.set_exception(exc)

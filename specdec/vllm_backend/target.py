@@ -22,7 +22,6 @@ and releases it), and each call runs one ``PsdScheduler`` step on exactly the na
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, replace
 
 from specdec.engine.worker_base import decode_step_caps
@@ -32,7 +31,7 @@ from specdec.sample.sampling import SamplingParams
 from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
 from specdec.vllm_backend.engine import (VllmEngineConfig, build_engine, refusals_as_value_errors, scheduler_of,
                                          to_vllm_sampling)
-from specdec.vllm_backend.joining import CallJoins, Join
+from specdec.vllm_backend.joining import CallJoins, JoiningCallsMixin
 from specdec.vllm_backend.outputs import StepDelta, collect_step, engine_facts, step_output
 from specdec.vllm_backend.row_ends import RowEnds
 from specdec.vllm_backend.scheduler import PsdStep
@@ -47,7 +46,7 @@ class _Resident:
     is_finished: bool = False   # vLLM ended it (context window); only release remains
 
 
-class VllmTargetWorker:
+class VllmTargetWorker(JoiningCallsMixin):
     """Target-model worker on an in-process vLLM engine (see module docstring).
 
     Args:
@@ -289,53 +288,6 @@ class VllmTargetWorker:
                 state.is_finished = True
         self._add_late(late)
         return merged
-
-    def _take_joins(self, num_steps_left: int, quotas: dict[str, int], ends: "RowEnds") -> list[tuple[Join, dict]]:
-        """Add the submitted joins to the engine and to the running step: each request samples
-        as many tokens as the call's rows have steps left (at least its first, at most its
-        ``max_tokens``; recorded in ``quotas``), and stops at its stop tokens (``ends``). A
-        refused batch fails alone (its future gets the error)."""
-        taken = []
-        for join in self._joins.take():
-            try:
-                added = self._add_to_engine(join.items)
-            except BaseException as exc:
-                join.future.set_exception(exc)
-                continue
-            new = {rid: max(1, min(num_steps_left, state.params.max_tokens)) for rid, state in added.items()}
-            quotas.update(new)
-            ends.add(added)
-            self.scheduler.join({added[rid].vllm_id: n for rid, n in new.items()})
-            taken.append((join, added))
-        return taken
-
-    def _resolve_joins(self, joined: list, merged: dict) -> list:
-        """Resolve each join whose requests all have their first token; returns the others."""
-        waiting = []
-        for join, added in joined:
-            if all(rid in merged and merged[rid].token_ids for rid in added):
-                join.future.set_result(self._first_tokens(join.items, added, merged))
-            else:
-                waiting.append((join, added))
-        return waiting
-
-    def _fail_joins(self, joined: list, exc: BaseException) -> None:
-        """The call failed: its joins fail with it, their requests leave the engine."""
-        for join, added in joined:
-            for rid in added:
-                self._requests.pop(rid, None)
-            with contextlib.suppress(Exception):  # the engine itself may be what failed
-                if added:
-                    self.engine.abort_request([state.vllm_id for state in added.values()], internal=True)
-            join.future.set_exception(exc)
-
-    def _add_late(self, late: list[Join]) -> None:
-        """Joins submitted as the call ended: prefilled now, each batch on its own."""
-        for join in late:
-            try:
-                join.future.set_result(self.add_requests(join.items))
-            except BaseException as exc:
-                join.future.set_exception(exc)
 
     def release(self, request_id: str) -> None:
         """Abort the vLLM request and free its KV blocks. Raises KeyError for an unknown id."""
