@@ -257,18 +257,30 @@ def _stream_and_unary(tiny_llama, num_steps: int, stream_interval: int = 0):
 
 
 def test_verify_stream_partials_add_up_to_the_whole_response(tiny_llama) -> None:
+    """A partial per step but the last, whose tokens only the whole response carries (it follows
+    at once); the partials are a prefix of the whole response, which equals the unary call's."""
     messages, unary = _stream_and_unary(tiny_llama, num_steps=6)
     *partials, whole = messages
     assert not whole.is_partial and all(m.is_partial for m in partials)
-    assert partials and all(m.step_id == 7 for m in messages)
+    assert len(partials) == 5 and all(m.step_id == 7 for m in messages)
     streamed = {rid: ([], []) for rid in PROMPTS}
     for message in partials:
         for out in message.outputs:
             streamed[out.request_id][0].extend(out.token_ids)
             streamed[out.request_id][1].extend(out.logprobs)
-    assert {o.request_id: (list(o.token_ids), list(o.logprobs)) for o in whole.outputs} == streamed
-    assert {o.request_id: list(o.token_ids) for o in unary.outputs} == {r: t for r, (t, _) in streamed.items()}
-    assert all(len(t) == 6 for t, _ in streamed.values())
+    whole_rows = {o.request_id: (list(o.token_ids), list(o.logprobs)) for o in whole.outputs}
+    assert {rid: (t[:5], lp[:5]) for rid, (t, lp) in whole_rows.items()} == streamed
+    assert {o.request_id: list(o.token_ids) for o in unary.outputs} == {r: t for r, (t, _) in whole_rows.items()}
+    assert all(len(t) == 5 for t, _ in streamed.values()) and all(len(t) == 6 for t, _ in whole_rows.values())
+
+
+def test_verify_stream_leaves_the_last_interval_to_the_whole_response(tiny_llama) -> None:
+    """16 steps, a partial every 8: one partial (steps 1-8), then the whole response; the
+    partial at step 16 would have come just before it."""
+    messages, unary = _stream_and_unary(tiny_llama, num_steps=16, stream_interval=8)
+    *partials, whole = messages
+    assert len(partials) == 1 and all(len(o.token_ids) == 8 for o in partials[0].outputs)
+    assert not whole.is_partial and whole.outputs == unary.outputs
 
 
 def test_a_single_step_verify_stream_sends_only_the_whole_response(tiny_llama) -> None:

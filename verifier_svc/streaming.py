@@ -22,19 +22,27 @@ class StepCoalescer:
     steps' ``StepOutput`` rows per request and calls ``emit`` with them as ``SeqOutput`` protos
     every ``interval`` steps; a row whose part in the call ended (``StepOutput.is_final``: its
     cap or a stop token) goes out at once, alone with the others that ended in that step, so
-    its request finishes then rather than up to ``interval`` - 1 steps later.
+    its request finishes then rather than up to ``interval`` - 1 steps later. The call's last
+    step (``num_steps``) emits nothing: the call's whole response follows at once and carries
+    it, and a partial just before it only cost the verifier's event loop (the engine thread
+    waits for the GIL while it builds the response) and the coordinator a message to commit
+    ahead of the response (about 1.7 and 1.9 ms per 16-row call on this project's CPU).
 
     Args:
         emit: called in the engine thread with one ``SeqOutput`` per request that decoded since
             the last call (its tokens, logprobs and top logprobs of those steps, in order).
         interval: engine steps per ``emit`` (>= 1; 0 counts as 1, as the proto's default).
+        num_steps: the call's decode steps (``VerifyRequest.num_decode_steps``; 0: not known,
+            every interval emits).
     """
 
-    def __init__(self, emit: Callable[[list[engine_pb2.SeqOutput]], None], interval: int) -> None:
+    def __init__(self, emit: Callable[[list[engine_pb2.SeqOutput]], None], interval: int, num_steps: int = 0) -> None:
         self.emit = emit
         self.interval = max(int(interval), 1)
+        self.num_steps = int(num_steps)
         self._rows: dict[str, StepOutput] = {}
         self._num_steps = 0
+        self._num_calls = 0
 
     def __call__(self, steps: list[StepOutput]) -> None:
         for step in steps:
@@ -47,6 +55,9 @@ class StepCoalescer:
                 row.logprobs += step.logprobs
                 row.top_logprobs += step.top_logprobs
         self._num_steps += 1
+        self._num_calls += 1
+        if self._num_calls == self.num_steps:
+            return   # the call's last step: its whole response carries these rows
         if self._num_steps >= self.interval and self._rows:
             rows, self._rows, self._num_steps = self._rows, {}, 0
             self.emit([to_seq_output(row) for row in rows.values()])
