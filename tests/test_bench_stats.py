@@ -76,6 +76,17 @@ def test_critical_call_overhead_is_what_the_coordinator_adds_around_the_call_tha
     assert critical_call_overhead([{**step, "phases": []}]) == {}
 
 
+def test_step_split_reports_the_serial_steps_call_overhead_apart(tmp_path):
+    """``ar``'s steps (one Verify call, not parallel) get ``serial_*``, psd's parallel ones ``critical_*``."""
+    serial = {"start_s": 5.0, "draft_ms": 0.0, "verify_ms": 100.0, "data_plane_ms": 0.0, "idle_ms": 5.0, "wall_ms": 105.0,
+              "is_parallel": False, "phases": [{"engine": "verifier", "start_s": 5.0002, "rpc_ms": 104.0, "compute_ms": 100.0}]}
+    path = tmp_path / "steps.jsonl"
+    path.write_text(json.dumps(serial) + "\n")
+    split = step_split(str(path), 0.0, 10.0)
+    assert split["serial_rpc_extra_ms"] == pytest.approx(4.0) and split["serial_lead_ms"] == pytest.approx(0.2)
+    assert split["serial_tail_ms"] == pytest.approx(0.8) and "critical_rpc_extra_ms" not in split
+
+
 def _run(system, k, tok_s, lat=100.0, temperature=0.0, m=4):
     family = SYSTEMS[system].family
     run_id = f"{system}-k{k}-m{m}-T{temperature:g}"

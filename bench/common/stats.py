@@ -123,15 +123,18 @@ def step_split(step_log_path: str, start_s: float, end_s: float) -> dict | None:
     split["num_steps"] = len(steps)
     split["parallel_step_ratio"] = sum(bool(s["is_parallel"]) for s in steps) / len(steps)
     split.update(critical_call_overhead([s for s in steps if s["is_parallel"]]))
+    split.update(critical_call_overhead([s for s in steps if not s["is_parallel"]], prefix="serial"))
     return split
 
 
-def critical_call_overhead(steps: list[dict]) -> dict:
+def critical_call_overhead(steps: list[dict], prefix: str = "critical") -> dict:
     """Means over ``steps`` (step-log records with ``phases``) of what surrounds each step's
-    critical call, the engine call that ended last: ``critical_lead_ms`` (step start to that call
-    being sent: the coordinator's work before it), ``critical_rpc_extra_ms`` (its RPC wall time
-    beyond the engine's compute: gRPC and the service) and ``critical_tail_ms`` (its return to the
-    step's end: the coordinator's work after it). Empty when no step has phases."""
+    critical call, the engine call that ended last: ``<prefix>_lead_ms`` (step start to that call
+    being sent: the coordinator's work before it), ``<prefix>_rpc_extra_ms`` (its RPC wall time
+    beyond the engine's compute: gRPC and the service) and ``<prefix>_tail_ms`` (its return to the
+    step's end: the coordinator's work after it). ``step_split`` reports them as ``critical_*``
+    over psd's parallel steps and ``serial_*`` over the others (e.g. ``ar``'s, one Verify call
+    each). Empty when no step has phases."""
     parts = []
     for step in steps:
         phases = step.get("phases") or []
@@ -142,7 +145,7 @@ def critical_call_overhead(steps: list[dict]) -> dict:
         parts.append((lead_ms, last["rpc_ms"] - last["compute_ms"], step["wall_ms"] - lead_ms - last["rpc_ms"]))
     if not parts:
         return {}
-    names = ("critical_lead_ms", "critical_rpc_extra_ms", "critical_tail_ms")
+    names = (f"{prefix}_lead_ms", f"{prefix}_rpc_extra_ms", f"{prefix}_tail_ms")
     return {name: sum(p[i] for p in parts) / len(parts) for i, name in enumerate(names)}
 
 
