@@ -77,6 +77,17 @@ def _fmt(value, digits: int = 1) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
 
+def around_the_call(split: dict) -> float | None:
+    """Mean ms per step of the coordinator and gRPC around the step's last-ending engine call
+    (``bench.common.stats.critical_call_overhead``: lead + RPC beyond compute + tail), over psd's
+    parallel steps when the run had any, else over its other steps; None without them."""
+    for prefix in ("critical", "serial"):
+        parts = [split.get(f"{prefix}_{name}_ms") for name in ("lead", "rpc_extra", "tail")]
+        if all(p is not None for p in parts):
+            return sum(parts)
+    return None
+
+
 def markdown(results: dict, cfg) -> str:
     """Tables: tok/s per system and concurrency, latency/TTFT/acceptance, ratios, greedy check."""
     runs = [r for r in results["runs"] if "metrics" in r]
@@ -95,14 +106,18 @@ def markdown(results: dict, cfg) -> str:
              "|---|" + "---|" * len(cs)]
     for s in systems:
         lines.append(f"| {s} | " + " | ".join(_fmt(_tok_s(get[(s, c)])) if (s, c) in get else "-" for c in cs) + " |")
-    lines += ["", "TTFT p50 / latency p50 (ms), mean acceptance length, step split (ms: draft / verify / wall):", "",
-              "| system | c | TTFT p50 | latency p50 | accept len | draft | verify | step wall | failed requests |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "TTFT p50 / latency p50 (ms), mean acceptance length, step split (ms: draft / verify / wall; "
+              "around the call: the coordinator and gRPC around the step's last-ending engine call, "
+              "lead + RPC beyond its compute + tail, psd's parallel steps else the others):", "",
+              "| system | c | TTFT p50 | latency p50 | accept len | draft | verify | step wall | around the call "
+              "| failed requests |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         m, split = r["metrics"], r.get("step_split") or {}
         lines.append(f"| {r['system']} | {r['concurrency']} | {_fmt(m['ttft_ms_p50'], 0)} | {_fmt(m['latency_ms_p50'], 0)} "
                      f"| {_fmt(m['mean_acceptance_length'], 2)} | {_fmt(split.get('draft_ms'), 2)} "
-                     f"| {_fmt(split.get('verify_ms'), 2)} | {_fmt(split.get('wall_ms'), 2)} | {m['num_errors']} |")
+                     f"| {_fmt(split.get('verify_ms'), 2)} | {_fmt(split.get('wall_ms'), 2)} "
+                     f"| {_fmt(around_the_call(split), 2)} | {m['num_errors']} |")
     lines += ["", "Ratios (tok/s):", "", "| c | best ours / best vLLM | ours / vllm-ar | psd / best vllm-sd |",
               "|---|---|---|---|"]
     for row in results["ratios"]:
