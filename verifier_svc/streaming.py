@@ -41,8 +41,8 @@ class StepCoalescer:
         self.interval = max(int(interval), 1)
         self.num_steps = int(num_steps)
         self._rows: dict[str, StepOutput] = {}
-        self._num_steps = 0
-        self._num_calls = 0
+        self._since_emit = 0     # steps merged since the last emit
+        self._num_seen = 0       # steps of the call so far
 
     def __call__(self, steps: list[StepOutput]) -> None:
         for step in steps:
@@ -54,12 +54,12 @@ class StepCoalescer:
                 row.token_ids += step.token_ids
                 row.logprobs += step.logprobs
                 row.top_logprobs += step.top_logprobs
-        self._num_steps += 1
-        self._num_calls += 1
-        if self._num_calls == self.num_steps:
+        self._since_emit += 1
+        self._num_seen += 1
+        if self._num_seen == self.num_steps:
             return   # the call's last step: its whole response carries these rows
-        if self._num_steps >= self.interval and self._rows:
-            rows, self._rows, self._num_steps = self._rows, {}, 0
+        if self._since_emit >= self.interval and self._rows:
+            rows, self._rows, self._since_emit = self._rows, {}, 0
             self.emit([to_seq_output(row) for row in rows.values()])
         elif any(step.is_final for step in steps):
             self.emit([to_seq_output(self._rows.pop(step.request_id)) for step in steps
