@@ -154,7 +154,7 @@ class StepLoop(Postprocess):
         n = self.cfg.num_decode_steps
         if n == 1 or not requests:
             return 1
-        wanted = max(r.finish_params.max_tokens - len(r.output_token_ids) for r in requests)
+        wanted = max(_tokens_left(r) for r in requests)
         room = min(self.limits.decode_room(len(r.prompt_token_ids) + len(r.output_token_ids)) for r in requests)
         return max(1, min(n, wanted, room))
 
@@ -263,5 +263,10 @@ def _row_caps(requests: list[RequestState], num_steps: int) -> list[int]:
     """A multi-step call's ``max_decode_steps``: per request the tokens it has left before
     ``max_tokens`` where that is fewer than ``num_steps`` (the verifier then ends its row there and
     streams its last tokens at once); empty when no row would stop early or the call is one step."""
-    caps = [max(1, r.finish_params.max_tokens - len(r.output_token_ids)) for r in requests]
+    caps = [max(1, _tokens_left(r)) for r in requests]
     return caps if num_steps > 1 and min(caps, default=num_steps) < num_steps else []
+
+
+def _tokens_left(request: RequestState) -> int:
+    """Output tokens ``request`` may still emit before its ``max_tokens``."""
+    return request.finish_params.max_tokens - len(request.output_token_ids)

@@ -351,7 +351,8 @@ def _expected(prompt: list[int], sampling: dict) -> list[int]:
 
 
 def _caps(request) -> list[int]:
-    """Each named row's decode steps in a multi-step ``VerifyRequest`` (its ``max_decode_steps`` cap)."""
-    caps = list(request.max_decode_steps) or [request.num_decode_steps] * len(request.request_ids)
-    assert len(caps) == len(request.request_ids) and min(caps, default=1) >= 1
-    return [min(cap, request.num_decode_steps) for cap in caps]
+    """Each named row's decode steps in a multi-step ``VerifyRequest`` (its ``max_decode_steps`` cap;
+    ``decode_step_caps`` raises ValueError on bad caps, as the verifier refuses them)."""
+    from specdec.engine.worker_base import decode_step_caps
+
+    return decode_step_caps(request.num_decode_steps, list(request.max_decode_steps), len(request.request_ids))

@@ -24,6 +24,7 @@ from opentelemetry import trace
 from engine_svc.service import check_unique_ids, elapsed_ms, to_sampling_params, to_seq_output
 from minedraft.v1 import engine_pb2
 from engine_svc.tensor_proto import is_empty_proto, proto_to_tensor
+from specdec.engine.worker_base import decode_step_caps
 from verifier_svc.streaming import StepCoalescer
 from verifier_svc.tp import CMD_ADD, CMD_RELEASE, CMD_SHUTDOWN, CMD_VERIFY, PROBS_DTYPES, CommandChannel
 
@@ -287,6 +288,6 @@ def _check_decode_steps(num_decode_steps: int, k: int, max_decode_steps: list[in
         raise ValueError(f"num_decode_steps: must be <= {MAX_DECODE_STEPS}, got {num_decode_steps}")
     if num_decode_steps > 1 and k > 0:
         raise ValueError(f"num_decode_steps: > 1 only for plain decoding (k = 0), got k = {k}")
-    if max_decode_steps and (num_decode_steps <= 1 or len(max_decode_steps) != num_rows or min(max_decode_steps) < 1):
-        raise ValueError(f"max_decode_steps: one cap >= 1 per row ({num_rows}) of a call with num_decode_steps > 1, "
-                         f"got {max_decode_steps[:8]} with num_decode_steps {num_decode_steps}")
+    if max_decode_steps and num_decode_steps <= 1:
+        raise ValueError(f"max_decode_steps: only with num_decode_steps > 1, got {num_decode_steps}")
+    decode_step_caps(max(num_decode_steps, 1), max_decode_steps, num_rows)   # ValueError naming max_decode_steps

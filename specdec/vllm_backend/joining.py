@@ -72,11 +72,11 @@ class JoiningCallsMixin:
     them with the call. Uses the worker's ``_joins`` (``CallJoins``), ``_requests``, ``scheduler``,
     ``engine``, ``_add_to_engine``, ``_first_tokens`` and ``add_requests``."""
 
-    def _take_joins(self, num_steps_left: int, quotas: dict[str, int], ends) -> list[tuple[Join, dict]]:
+    def _take_joins(self, num_steps_left: int, ends) -> list[tuple[Join, dict]]:
         # ends: the call's ``specdec.vllm_backend.row_ends.RowEnds``
         """Add the submitted joins to the engine and to the running step: each request samples
         as many tokens as the call's rows have steps left (at least its first, at most its
-        ``max_tokens``; recorded in ``quotas``), and stops at its stop tokens (``ends``). A
+        ``max_tokens``), and ``ends`` watches it (its quota, its stop tokens). A
         refused batch fails alone (its future gets the error)."""
         taken = []
         for join in self._joins.take():
@@ -86,7 +86,6 @@ class JoiningCallsMixin:
                 join.future.set_exception(exc)
                 continue
             new = {rid: max(1, min(num_steps_left, state.params.max_tokens)) for rid, state in added.items()}
-            quotas.update(new)
             ends.add(added)
             self.scheduler.join({added[rid].vllm_id: n for rid, n in new.items()})
             taken.append((join, added))

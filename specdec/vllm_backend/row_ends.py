@@ -24,12 +24,12 @@ class RowEnds:
     def __init__(self, scheduler, eos_token_ids) -> None:
         self.scheduler = scheduler
         self.eos_token_ids = tuple(eos_token_ids)
-        self._vllm_ids: dict[str, str] = {}        # request id -> vLLM id, rows that stop at stop tokens
+        self._vllm_ids: dict[str, str] = {}        # request id -> vLLM id of every watched row
         self._stop_sets: dict[str, frozenset[int]] = {}
         self._stopped: set[str] = set()
 
     def add(self, residents: dict) -> None:
-        """Watch the stop tokens of {request id: resident state (``vllm_id``, ``params``)}."""
+        """Watch {request id: resident state (``vllm_id``, ``params``)}: each row's quota and stop tokens."""
         for rid, state in residents.items():
             self._vllm_ids[rid] = state.vllm_id
             self._stop_sets[rid] = state.params.stop_token_set(self.eos_token_ids)
@@ -41,6 +41,10 @@ class RowEnds:
     def is_done(self, vllm_id: str, delta) -> bool:
         """Whether the row's merged ``StepDelta`` (None: no output yet) has all its call's steps."""
         return delta is not None and (delta.num_steps >= self.quota(vllm_id) or delta.finish_reason is not None)
+
+    def all_done(self, merged: dict) -> bool:
+        """Whether every watched row (a multi-step call's named and joined rows) has all its steps."""
+        return all(self.is_done(vllm_id, merged.get(rid)) for rid, vllm_id in self._vllm_ids.items())
 
     def after_step(self, outputs: dict, merged: dict) -> set[str]:
         """After an engine step ({request id: ``CompletionOutput`` delta}; ``merged``: the

@@ -22,7 +22,7 @@ and releases it), and each call runs one ``PsdScheduler`` step on exactly the na
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from specdec.engine.worker_base import decode_step_caps
 from specdec.engine_api import EngineFacts
@@ -234,8 +234,10 @@ class VllmTargetWorker(JoiningCallsMixin):
         named = [(rid, self._requests[rid].params.logprobs) for rid in request_ids]
 
         def hook(outputs: dict, final: set[str]) -> None:
-            steps = [replace(step_output(rid, outputs[rid], 0, num_top), is_final=rid in final)
-                     for rid, num_top in named if rid in outputs and outputs[rid].token_ids]
+            steps = [step_output(rid, outputs[rid], 0, num_top) for rid, num_top in named
+                     if rid in outputs and outputs[rid].token_ids]
+            for out in steps:
+                out.is_final = out.request_id in final
             if steps:
                 on_step(steps)
         return hook
@@ -253,7 +255,7 @@ class VllmTargetWorker(JoiningCallsMixin):
         self.scheduler.set_step(step)
         by_vllm_id = {state.vllm_id: rid for rid, state in self._requests.items()}
         merged: dict[str, StepDelta] = {}
-        takes_joins, joined, quotas = step.num_steps > 1, [], {}
+        takes_joins, joined = step.num_steps > 1, []
         ends = RowEnds(self.scheduler, self._facts.eos_token_ids)
         if takes_joins:
             ends.add({by_vllm_id[v]: self._requests[by_vllm_id[v]] for v in step.request_ids if v in by_vllm_id})
@@ -262,7 +264,7 @@ class VllmTargetWorker(JoiningCallsMixin):
             is_done = False
             for _ in range(step.num_steps + MAX_PREFILL_STEPS):
                 if takes_joins and not is_done:
-                    joined += self._take_joins(ends.steps_left(step.request_ids, by_vllm_id, merged), quotas, ends)
+                    joined += self._take_joins(ends.steps_left(step.request_ids, by_vllm_id, merged), ends)
                 outputs = collect_step(self.engine.step())
                 for rid, output in outputs.items():
                     merged.setdefault(rid, StepDelta()).add(output)
@@ -271,8 +273,7 @@ class VllmTargetWorker(JoiningCallsMixin):
                     on_engine_step(outputs, final)
                 joined = self._resolve_joins(joined, merged)
                 is_done = all(ends.is_done(v, merged.get(by_vllm_id.get(v, v))) for v in step.request_ids)
-                if is_done and not joined and all(ends.is_done(self._requests[rid].vllm_id, merged.get(rid))
-                                                  for rid in quotas if rid in self._requests):
+                if is_done and not joined and ends.all_done(merged):
                     break
             else:
                 raise RuntimeError(f"vLLM did not finish {step.num_steps} steps in {step.num_steps + MAX_PREFILL_STEPS}")
