@@ -9,6 +9,11 @@ each batch size b of ``--batch-sizes``, in these loops:
   finished, the PSD filter off (``PsdScheduler.set_step(None)``: vLLM's scheduler as is), no
   logprobs (what vLLM's OpenAI server computes for a client that asks none);
 - ``vllm_logprob``: the same with the sampled token's logprob (``logprobs=0``);
+- ``vllm_core``: vLLM's engine core alone, ``engine_core.get_output()`` until every request
+  finished, without the output processor: what the engine process of vLLM's OpenAI server runs
+  (its API server process turns the outputs into responses beside it), no logprobs. Ours runs
+  ``LLMEngine.step()``, the output processor included, on its engine thread: ``vllm`` -
+  ``vllm_core`` is that processing's share of a step where the host, not the GPU, bounds it;
 - ``ours``: ``VllmTargetWorker.decode`` over the same engine, ``--decode-steps`` tokens per
   call, sampled-token logprobs on (what the verifier's ``ar`` asks today);
 - ``ours_no_logprob``: the same with ``SamplingParams.logprobs = -1`` (none).
@@ -33,7 +38,7 @@ import pstats
 import random
 import time
 
-LOOPS = ("vllm", "vllm_logprob", "ours", "ours_no_logprob")
+LOOPS = ("vllm", "vllm_logprob", "vllm_core", "ours", "ours_no_logprob")
 # builtins in which the engine thread blocks on the GPU (an event's or stream's synchronize, a
 # future's lock, a device-to-host copy): their own time is the step's GPU time not hidden by the CPU
 WAIT_BUILTINS = ("synchronize", "'acquire' of '_thread.lock'", "'tolist' of", "'item' of", "'cpu' of")
@@ -92,6 +97,43 @@ def _vllm_loop(engine, prompts, num_tokens: int, with_logprob: bool) -> tuple[fl
     return wall * 1e3 / num_tokens, out
 
 
+def _vllm_core_loop(engine, prompts, num_tokens: int) -> tuple[float, dict]:
+    """vLLM's engine core alone (``vllm_core``): ms per step after every request's first token,
+    and the outputs. The output processor keeps the requests' states (the core reports their
+    finish but nothing processes it): aborted at the end, which frees them there."""
+    from specdec.sample.sampling import SamplingParams
+    from specdec.vllm_backend.engine import drain, scheduler_of, to_vllm_sampling
+    from specdec.vllm_backend.scheduler import PsdStep
+
+    scheduler_of(engine).set_step(None)
+    for rid, prompt in prompts.items():
+        params = to_vllm_sampling(SamplingParams(temperature=0.0, seed=0), num_tokens + 1, with_logprobs=False)
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    # vLLM's internal request id (the external one plus a random suffix) -> ours
+    external = {iid: state.external_req_id for iid, state in engine.output_processor.request_states.items()
+                if state.external_req_id in prompts}
+    out: dict[str, list[int]] = {rid: [] for rid in prompts}
+    finished: set[str] = set()
+    t_first = None
+    while len(finished) < len(prompts):
+        for o in engine.engine_core.get_output().outputs:
+            rid = external.get(o.request_id)
+            if rid is None:
+                continue
+            out[rid] += o.new_token_ids
+            if o.finished:
+                finished.add(rid)
+        if t_first is None and all(out.values()):
+            t_first = time.perf_counter()
+    wall = time.perf_counter() - t_first
+    engine.abort_request(list(prompts))
+    if any(state.external_req_id in prompts for state in engine.output_processor.request_states.values()):
+        raise RuntimeError("vllm_core: the output processor kept requests after their abort")
+    drain(engine)
+    scheduler_of(engine).set_step(PsdStep(frozenset()))
+    return wall * 1e3 / num_tokens, out
+
+
 def _ours_loop(worker, prompts, num_tokens: int, steps: int, logprobs: int) -> tuple[float, dict]:
     from specdec.sample.sampling import SamplingParams
 
@@ -118,6 +160,8 @@ def _wait_share(profile: cProfile.Profile, wall_s: float) -> float:
 
 def _run_loop(name, engine, worker, b, a) -> tuple[float, dict]:
     prompts = _prompts(b, a.prompt_len, f"{name}-{b}-")
+    if name == "vllm_core":
+        return _vllm_core_loop(engine, prompts, a.num_tokens)
     if name.startswith("vllm"):
         return _vllm_loop(engine, prompts, a.num_tokens, name == "vllm_logprob")
     return _ours_loop(worker, prompts, a.num_tokens, a.decode_steps, -1 if name == "ours_no_logprob" else 0)

@@ -1,5 +1,6 @@
 """``bench.engines.ar_step_profile`` on vLLM's CPU build (run in ``.venv-vllm``): every loop
-(vLLM's own, with and without the sampled logprob; ours, with and without) decodes the same
+(vLLM's own, with and without the sampled logprob; vLLM's engine core alone; ours, with and
+without) decodes the same
 greedy tokens, and the results file has a point per loop with its ms per step and GPU-wait share."""
 from __future__ import annotations
 
