@@ -11,9 +11,9 @@ each batch size b of ``--batch-sizes``, in these loops:
 - ``vllm_logprob``: the same with the sampled token's logprob (``logprobs=0``);
 - ``vllm_core``: vLLM's engine core alone, ``engine_core.get_output()`` until every request
   finished, without the output processor: what the engine process of vLLM's OpenAI server runs
-  (its API server process turns the outputs into responses beside it), no logprobs. Ours runs
-  ``LLMEngine.step()``, the output processor included, on its engine thread: ``vllm`` -
+  (its API server process turns the outputs into responses beside it), no logprobs. ``vllm`` -
   ``vllm_core`` is that processing's share of a step where the host, not the GPU, bounds it;
+  ours reads the engine core directly too (``specdec.vllm_backend.outputs.core_step``);
 - ``ours``: ``VllmTargetWorker.decode`` over the same engine, ``--decode-steps`` tokens per
   call, sampled-token logprobs on (what the verifier's ``ar`` asks today);
 - ``ours_no_logprob``: the same with ``SamplingParams.logprobs = -1`` (none).

@@ -32,7 +32,7 @@ from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
 from specdec.vllm_backend.engine import (VllmEngineConfig, build_engine, refusals_as_value_errors, scheduler_of,
                                          to_vllm_sampling)
 from specdec.vllm_backend.joining import CallJoins, JoiningCallsMixin
-from specdec.vllm_backend.outputs import StepDelta, collect_step, engine_facts, step_output
+from specdec.vllm_backend.outputs import StepDelta, core_step, engine_facts, step_output
 from specdec.vllm_backend.row_ends import RowEnds
 from specdec.vllm_backend.scheduler import PsdStep
 
@@ -60,6 +60,7 @@ class VllmTargetWorker(JoiningCallsMixin):
         self.scheduler = scheduler_of(self.engine)
         self.scheduler.set_step(PsdStep(frozenset()))   # between calls nothing may run
         self._requests: dict[str, _Resident] = {}
+        self._names: dict[str, tuple[str, int]] = {}   # vLLM's id -> (ours, top logprobs asked): core_step
         self._facts = engine_facts(self.engine, cfg)
         self._joins = CallJoins()  # requests joining a running multi-step call
 
@@ -120,6 +121,7 @@ class VllmTargetWorker(JoiningCallsMixin):
                 self.engine.abort_request([state.vllm_id for state in added.values()], internal=True)
             raise
         self._requests.update(added)
+        self._names.update({state.vllm_id: (rid, state.params.logprobs) for rid, state in added.items()})
         return added
 
     @staticmethod
@@ -228,7 +230,7 @@ class VllmTargetWorker(JoiningCallsMixin):
 
     def _streamer(self, request_ids: list[str], on_step):
         """``_run``'s per-engine-step hook for ``on_step``: {request id: one step's
-        ``CompletionOutput``} -> the named rows' ``StepOutput``s (None: no hook)."""
+        ``CoreOutput``} -> the named rows' ``StepOutput``s (None: no hook)."""
         if on_step is None:
             return None
         named = [(rid, self._requests[rid].params.logprobs) for rid in request_ids]
@@ -250,7 +252,7 @@ class VllmTargetWorker(JoiningCallsMixin):
         queue of resident requests never drains (each step schedules again). A multi-step call
         takes joins (``join_running_call``) until its rows are done, and ends a row's part after
         a step that samples one of its stop tokens (``RowEnds``). ``on_engine_step``: called with
-        each engine step's {request id: ``CompletionOutput`` delta} and the ids whose part in the
+        each engine step's {request id: ``CoreOutput``} and the ids whose part in the
         call that step ended (``_streamer``)."""
         self.scheduler.set_step(step)
         by_vllm_id = {state.vllm_id: rid for rid, state in self._requests.items()}
@@ -265,7 +267,7 @@ class VllmTargetWorker(JoiningCallsMixin):
             for _ in range(step.num_steps + MAX_PREFILL_STEPS):
                 if takes_joins and not is_done:
                     joined += self._take_joins(ends.steps_left(step.request_ids, by_vllm_id, merged), ends)
-                outputs = collect_step(self.engine.step())
+                outputs = core_step(self.engine, self._names)
                 for rid, output in outputs.items():
                     merged.setdefault(rid, StepDelta()).add(output)
                 final = ends.after_step(outputs, merged)
@@ -291,10 +293,11 @@ class VllmTargetWorker(JoiningCallsMixin):
         return merged
 
     def release(self, request_id: str) -> None:
-        """Abort the vLLM request and free its KV blocks. Raises KeyError for an unknown id."""
+        """Abort the vLLM request and free its KV blocks (and its output processor state, which
+        ``core_step`` leaves, also once vLLM ended it). Raises KeyError for an unknown id."""
         state = self._requests.pop(request_id)
-        if not state.is_finished:
-            self.engine.abort_request([state.vllm_id], internal=True)
+        self._names.pop(state.vllm_id, None)
+        self.engine.abort_request([state.vllm_id], internal=True)
 
     @property
     def num_active(self) -> int:

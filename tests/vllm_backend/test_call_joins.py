@@ -37,11 +37,12 @@ def worker(model):
 
 
 class _StepHook:
-    """Wraps ``worker.engine.step``: counts steps and runs ``action`` before step ``at``."""
+    """Wraps the engine core's step (``engine_core.get_output``, what ``core_step`` reads): counts
+    steps and runs ``action`` before step ``at``."""
 
     def __init__(self, worker, at: int, action) -> None:
         self.worker, self.at, self.action, self.num_steps = worker, at, action, 0
-        self.original = worker.engine.step
+        self.original = worker.engine.engine_core.get_output
 
     def __enter__(self):
         def step():
@@ -50,11 +51,11 @@ class _StepHook:
                 self.action()
             return self.original()
 
-        self.worker.engine.step = step
+        self.worker.engine.engine_core.get_output = step
         return self
 
     def __exit__(self, *exc) -> None:
-        self.worker.engine.step = self.original
+        self.worker.engine.engine_core.get_output = self.original
 
 
 def test_a_join_is_prefilled_inside_the_call_and_decodes_after_it(worker, model) -> None:
