@@ -12,7 +12,7 @@ session 20; ``sessions``: ``drafting``'s engine without prefix caching behind
 (``--prompt-tokens`` P, 8 by default; the stack's Spec-Bench prompts average a few hundred) are
 admitted, and ``--num-calls`` draft calls of k tokens follow, each after committing 1 to k + 1
 random tokens per row (the tokens a verify step commits). Per call: wall ms, engine steps, ms in
-``LLMEngine.add_request`` and in ``LLMEngine.step``, the first step's ms (the catch-up) and the
+``LLMEngine.add_request`` and in engine-core steps, the first step's ms (the catch-up) and the
 later steps' (decode); beside them the floor, ms per step of vLLM's own decode loop on the same
 engine with n requests resident (what a drafter whose requests stayed in the engine would pay per
 draft token), and the share of its draft tokens equal to the first set-up's (same prompts and
@@ -73,7 +73,8 @@ def _parse(argv):
 
 
 class _Timed:
-    """Wraps an engine's ``add_request`` and ``step`` to count calls and seconds."""
+    """Wraps an engine's ``add_request`` and its engine core's step (``engine_core.get_output``,
+    what the drafters read through ``core_step``; counted as ``step``) to count calls and seconds."""
 
     def __init__(self, engine) -> None:
         self.seconds = {"add_request": 0.0, "step": 0.0}
@@ -81,8 +82,8 @@ class _Timed:
         self.step_ms: list[float] = []   # each step's ms since the last ``reset`` / ``end_call``
         self.first_step_ms: list[float] = []   # per call: its first step (the catch-up)
         self.later_step_ms: list[float] = []   # per call: its other steps (decode)
-        for name in self.seconds:
-            setattr(engine, name, self._wrap(name, getattr(engine, name)))
+        for name, owner, attr in (("add_request", engine, "add_request"), ("step", engine.engine_core, "get_output")):
+            setattr(owner, attr, self._wrap(name, getattr(owner, attr)))
 
     def _wrap(self, name, fn):
         def timed(*args, **kwargs):

@@ -31,12 +31,12 @@ from dataclasses import dataclass, replace
 from specdec.engine.draft_worker import merge_committed
 from specdec.engine_api import EngineFacts
 from specdec.errors import CapacityError
-from specdec.sample.sampling import SamplingParams
+from specdec.sample.sampling import NO_LOGPROBS, SamplingParams
 from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
 from specdec.vllm_backend.call_stats import DraftCallStats
 from specdec.vllm_backend.engine import (VLLM_BLOCK_SIZE, VllmEngineConfig, build_engine, drain,
                                          refusals_as_value_errors, to_vllm_sampling)
-from specdec.vllm_backend.outputs import collect_step, engine_facts
+from specdec.vllm_backend.outputs import core_step, engine_facts
 from specdec.engine.worker_base import DraftCapacityError
 
 _SEED_BITS = 63
@@ -195,34 +195,34 @@ class VllmDraftWorker:
         (tokens, params, n, seed), all in one engine run (timed by ``stats``); aborted again on failure."""
         self._num_calls += 1
         stats.admitting()
-        names = {f"{rid}@draft{self._num_calls}": rid for rid in jobs}
-        vllm_ids = []
+        rows, vllm_ids = {}, []
         try:
-            for name, rid in names.items():
-                prompt, params, n, seed = jobs[rid]
+            for rid, (prompt, params, n, seed) in jobs.items():
                 with refusals_as_value_errors():
-                    vllm_ids.append(self.engine.add_request(name, {"prompt_token_ids": prompt},
+                    vllm_ids.append(self.engine.add_request(f"{rid}@draft{self._num_calls}", {"prompt_token_ids": prompt},
                                                             to_vllm_sampling(params, n, seed=seed, with_logprobs=False)))
+                rows[vllm_ids[-1]] = rid
             stats.admitted()
-            return self._step_until_done(names, max(n for _, _, n, _ in jobs.values()), stats)
-        except BaseException:
+            return self._step_until_done(rows, max(n for _, _, n, _ in jobs.values()), stats)
+        finally:   # ended in the engine core; core_step leaves their states in the output processor
             if vllm_ids:
                 self.engine.abort_request(vllm_ids, internal=True)
-            raise
 
-    def _step_until_done(self, names: dict[str, str], max_tokens: int, stats: DraftCallStats) -> dict[str, list[int]]:
-        """Step the engine until every engine request of ``names`` ({engine request name: row id})
-        has sampled its tokens (at most ``max_tokens``; each step marked in ``stats``); those tokens
-        per row id. Raises RuntimeError if they do not finish within ``MAX_DRAFT_STEPS_SLACK`` extra steps."""
-        tokens: dict[str, list[int]] = {rid: [] for rid in names.values()}
-        pending = set(names)
+    def _step_until_done(self, rows: dict[str, str], max_tokens: int, stats: DraftCallStats) -> dict[str, list[int]]:
+        """Step the engine until every engine request of ``rows`` ({vLLM's internal request id: row
+        id}) has sampled its tokens (at most ``max_tokens``; each step marked in ``stats``); those
+        tokens per row id. Each step is read from the engine core (``core_step``: no output
+        processor). Raises RuntimeError if they do not finish within ``MAX_DRAFT_STEPS_SLACK`` extra steps."""
+        tokens: dict[str, list[int]] = {rid: [] for rid in rows.values()}
+        pending = set(tokens)
+        names = {vllm_id: (rid, NO_LOGPROBS) for vllm_id, rid in rows.items()}
         for _ in range(max_tokens + MAX_DRAFT_STEPS_SLACK):
-            outputs = self.engine.step()
+            outputs = core_step(self.engine, names)
             stats.stepped()
-            for name, output in collect_step(outputs).items():
-                tokens[names[name]] += output.token_ids
+            for rid, output in outputs.items():
+                tokens[rid] += output.token_ids
                 if output.finish_reason is not None:
-                    pending.discard(name)
+                    pending.discard(rid)
             if not pending:
                 drain(self.engine)   # async scheduling: a step scheduled past the end
                 stats.end()

@@ -71,7 +71,7 @@ class VllmSessionDraftWorker(VllmDraftWorker):
                         supported_tasks=self.engine.get_supported_tasks(), resumable=True)
                     sessions[rid] = _Session(self.engine.add_request(core_request.request_id, core_request, params),
                                              list(req.committed), len(req.committed), len(req.committed))
-            sampled = self._step_until_done({f"{rid}@session": rid for rid in new}, 1, _UNTIMED)
+            sampled = self._step_until_done({s.vllm_id: rid for rid, s in sessions.items()}, 1, _UNTIMED)
         except BaseException:
             self._abort(sessions)
             raise
@@ -91,7 +91,7 @@ class VllmSessionDraftWorker(VllmDraftWorker):
                                                to_vllm_sampling(params, k_i, seed=seed, with_logprobs=False))
                 calls[rid] = session
             self.call_stats.admitted()
-            drafted = self._step_until_done({f"{rid}@session": rid for rid in jobs}, max(k for *_, k, _ in jobs.values()),
+            drafted = self._step_until_done({calls[rid].vllm_id: rid for rid in jobs}, max(k for *_, k, _ in jobs.values()),
                                             self.call_stats)
         except BaseException:   # a session left half-resumed cannot be trusted again: forget the call's rows
             self._abort({rid: self._sessions[rid] for rid in jobs})

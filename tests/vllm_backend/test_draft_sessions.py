@@ -86,9 +86,9 @@ def test_a_call_admits_nothing_takes_k_steps_and_release_frees_the_kv(worker, mo
     prompts = {f"s{i}": list(range(3, 40 + i)) for i in range(3)}
     worker.add_requests([(rid, p, GREEDY) for rid, p in prompts.items()])
     assert _free_blocks(worker) < free
-    added, steps, add, step = [], [], worker.engine.add_request, worker.engine.step
+    added, steps, add, step = [], [], worker.engine.add_request, worker.engine.engine_core.get_output
     monkeypatch.setattr(worker.engine, "add_request", lambda *a, **kw: (added.append(1), add(*a, **kw))[1])
-    monkeypatch.setattr(worker.engine, "step", lambda: (steps.append(1), step())[1])
+    monkeypatch.setattr(worker.engine.engine_core, "get_output", lambda: (steps.append(1), step())[1])   # engine steps
     worker.call_stats.calls.clear()
     for call in range(3):
         steps.clear()
@@ -110,7 +110,7 @@ def test_a_call_admits_nothing_takes_k_steps_and_release_frees_the_kv(worker, mo
 def test_a_failed_call_forgets_its_rows_only(worker, monkeypatch):
     free = _free_blocks(worker)
     worker.add_requests([("keep", list(range(3, 30)), GREEDY), ("lost", list(range(4, 33)), GREEDY)])
-    monkeypatch.setattr(worker.engine, "step", lambda: (_ for _ in ()).throw(RuntimeError("engine died")))
+    monkeypatch.setattr(worker.engine.engine_core, "get_output", lambda: (_ for _ in ()).throw(RuntimeError("engine died")))
     with pytest.raises(RuntimeError, match="engine died"):
         worker.draft(["lost"], [(29, [7])], 2)
     monkeypatch.undo()

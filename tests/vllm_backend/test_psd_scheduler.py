@@ -382,8 +382,8 @@ def test_draft_calls_take_k_engine_steps_while_every_row_catches_up(drafter, mon
     ids = [f"steps{i}" for i in range(24)]
     seqs = {rid: _prompt(70 + i, 40 + 3 * i) for i, rid in enumerate(ids)}
     drafter.add_requests([(rid, seqs[rid], GREEDY) for rid in ids])
-    num_steps, step = [], drafter.engine.step
-    monkeypatch.setattr(drafter.engine, "step", lambda: (num_steps.append(1), step())[1])
+    num_steps, step = [], drafter.engine.engine_core.get_output
+    monkeypatch.setattr(drafter.engine.engine_core, "get_output", lambda: (num_steps.append(1), step())[1])   # engine steps
     drafter.call_stats.calls.clear()
     try:
         for call in range(3):
