@@ -98,11 +98,13 @@ def test_a_call_admits_nothing_takes_k_steps_and_release_frees_the_kv(worker, mo
         assert [len(r) for r in rows] == [4, 4, 4] and len(steps) == 4 and not added
     # the service's per-call split (specdec.vllm_backend.call_stats): 3 rows, a first step and 3 later ones
     assert [(c.rows, len(c.later_ms)) for c in worker.call_stats.calls] == [(3, 3)] * 3
+    assert len(worker.engine.output_processor.request_states) == 3   # one per session, freed by release
     assert all(c.total_ms >= c.admit_ms + c.first_step_ms + sum(c.later_ms) > 0 for c in worker.call_stats.calls)
     for rid in prompts:
         worker.release(rid)
     assert _free_blocks(worker) == free and worker.num_active == 0
     assert not worker._scheduler.requests   # no session left in vLLM's scheduler
+    assert not worker.engine.output_processor.request_states
     with pytest.raises(KeyError):
         worker.release("s0")
 
