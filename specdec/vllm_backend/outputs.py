@@ -74,7 +74,7 @@ def _logprob_dicts(lists, num_logprobs: int) -> list[dict]:
 
 @dataclass
 class StepDelta:
-    """One request's ``CompletionOutput`` deltas of one call, merged: the tokens and their
+    """One request's per-step deltas (``CoreOutput``) of one call, merged: the tokens and their
     logprobs in order, how many model steps gave tokens, vLLM's finish reason if it ended."""
 
     token_ids: list[int] = field(default_factory=list)
@@ -83,7 +83,7 @@ class StepDelta:
     finish_reason: str | None = None
 
     def add(self, output) -> None:
-        """Append one step's ``CompletionOutput`` delta."""
+        """Append one step's delta (``CoreOutput``)."""
         self.token_ids += output.token_ids
         if output.logprobs is not None:
             self.logprobs = (self.logprobs or []) + list(output.logprobs)

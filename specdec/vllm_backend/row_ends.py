@@ -47,7 +47,7 @@ class RowEnds:
         return all(self.is_done(vllm_id, merged.get(rid)) for rid, vllm_id in self._vllm_ids.items())
 
     def after_step(self, outputs: dict, merged: dict) -> set[str]:
-        """After an engine step ({request id: ``CompletionOutput`` delta}; ``merged``: the
+        """After an engine step ({request id: ``CoreOutput``}; ``merged``: the
         call's ``StepDelta``s so far): stop the rows that sampled a stop token, and return the ids
         whose part in the call ended with this step before the call's last step (stopped, at a
         cap below the call's steps, or at the context window)."""
