@@ -69,7 +69,7 @@ class CallJoins:
 class JoiningCallsMixin:
     """``VllmTargetWorker``'s side of joins: a running multi-step call takes the submitted joins
     between two of its steps, resolves each once its requests have their first token, and fails
-    them with the call. Uses the worker's ``_joins`` (``CallJoins``), ``_requests``, ``scheduler``,
+    them with the call. Uses the worker's ``_joins`` (``CallJoins``), ``_requests``, ``_names``, ``scheduler``,
     ``engine``, ``_add_to_engine``, ``_first_tokens`` and ``add_requests``."""
 
     def _take_joins(self, num_steps_left: int, ends) -> list[tuple[Join, dict]]:
@@ -104,8 +104,9 @@ class JoiningCallsMixin:
     def _fail_joins(self, joined: list, exc: BaseException) -> None:
         """The call failed: its joins fail with it, their requests leave the engine."""
         for join, added in joined:
-            for rid in added:
+            for rid, state in added.items():
                 self._requests.pop(rid, None)
+                self._names.pop(state.vllm_id, None)
             with contextlib.suppress(Exception):  # the engine itself may be what failed
                 if added:
                     self.engine.abort_request([state.vllm_id for state in added.values()], internal=True)

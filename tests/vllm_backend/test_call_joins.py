@@ -138,6 +138,28 @@ def test_a_join_decodes_no_more_than_its_max_tokens(worker, model) -> None:
                 worker.release(rid)
 
 
+def test_a_failed_call_fails_its_taken_join_and_forgets_it(worker, model) -> None:
+    worker.add_requests([("x", _prompt(13, 9), GREEDY)])
+    futures, hooks_after = [], []
+
+    def on_step(steps) -> None:   # the second engine step after the join's submission: its prefill step
+        if futures:
+            hooks_after.append(1)
+            if len(hooks_after) == 2:
+                raise RuntimeError("hook died")
+    try:
+        with _StepHook(worker, 2, lambda: futures.append(worker.join_running_call([("j", _prompt(14, 6), GREEDY)]))):
+            with pytest.raises(RuntimeError, match="hook died"):
+                worker.decode(["x"], 6, on_step=on_step)
+        with pytest.raises(RuntimeError, match="hook died"):
+            futures[0].result(timeout=0)
+        assert worker.request_ids == ["x"]
+        assert [rid for rid, _ in worker._names.values()] == ["x"]   # core_step's id map forgot the join
+        assert [s.external_req_id for s in worker.engine.output_processor.request_states.values()] == ["x"]
+    finally:
+        worker.release("x")
+
+
 def test_a_refused_join_fails_alone(worker, model) -> None:
     worker.add_requests([("x", _prompt(5, 9), GREEDY)])
     futures = []
