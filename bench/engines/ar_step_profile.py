@@ -74,63 +74,37 @@ def _prompts(b: int, n: int, tag: str) -> dict[str, list[int]]:
     return {f"{tag}{i}": [rng.randrange(3, 1000) for _ in range(n)] for i in range(b)}
 
 
-def _vllm_loop(engine, prompts, num_tokens: int, with_logprob: bool) -> tuple[float, dict]:
-    """vLLM's own loop: ms per step after every request's first token, and the outputs."""
-    from specdec.sample.sampling import SamplingParams
+def _vllm_loop(engine, prompts, num_tokens: int, with_logprob: bool, core_only: bool = False) -> tuple[float, dict]:
+    """vLLM's own loop: ms per step after every request's first token, and the outputs. With
+    ``core_only`` (``vllm_core``) each step is read from the engine core (``core_step``), and the
+    states the output processor then keeps are aborted at the end, which frees them there."""
+    from specdec.sample.sampling import NO_LOGPROBS, SamplingParams
     from specdec.vllm_backend.engine import drain, scheduler_of, to_vllm_sampling
+    from specdec.vllm_backend.outputs import collect_step, core_step
     from specdec.vllm_backend.scheduler import PsdStep
 
     scheduler_of(engine).set_step(None)
     for rid, prompt in prompts.items():   # one params object per request (to_vllm_sampling's skip_clone)
         params = to_vllm_sampling(SamplingParams(temperature=0.0, seed=0), num_tokens + 1, with_logprobs=with_logprob)
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    names = {iid: (state.external_req_id, NO_LOGPROBS) for iid, state in engine.output_processor.request_states.items()
+             if state.external_req_id in prompts}
     out: dict[str, list[int]] = {rid: [] for rid in prompts}
-    t_first = None
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out[o.request_id] += o.outputs[0].token_ids
+    pending, t_first = set(prompts), None
+    while pending:
+        for rid, delta in (core_step(engine, names) if core_only else collect_step(engine.step())).items():
+            out[rid] += delta.token_ids
+            if delta.finish_reason is not None:
+                pending.discard(rid)
         if t_first is None and all(out.values()):
             t_first = time.perf_counter()
     wall = time.perf_counter() - t_first
+    if core_only:
+        engine.abort_request(list(prompts))
+        if any(state.external_req_id in prompts for state in engine.output_processor.request_states.values()):
+            raise RuntimeError("vllm_core: the output processor kept requests after their abort")
     drain(engine)
     scheduler_of(engine).set_step(PsdStep(frozenset()))   # back to the worker's rule: nothing runs between calls
-    return wall * 1e3 / num_tokens, out
-
-
-def _vllm_core_loop(engine, prompts, num_tokens: int) -> tuple[float, dict]:
-    """vLLM's engine core alone (``vllm_core``): ms per step after every request's first token,
-    and the outputs. The output processor keeps the requests' states (the core reports their
-    finish but nothing processes it): aborted at the end, which frees them there."""
-    from specdec.sample.sampling import SamplingParams
-    from specdec.vllm_backend.engine import drain, scheduler_of, to_vllm_sampling
-    from specdec.vllm_backend.scheduler import PsdStep
-
-    scheduler_of(engine).set_step(None)
-    for rid, prompt in prompts.items():
-        params = to_vllm_sampling(SamplingParams(temperature=0.0, seed=0), num_tokens + 1, with_logprobs=False)
-        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-    # vLLM's internal request id (the external one plus a random suffix) -> ours
-    external = {iid: state.external_req_id for iid, state in engine.output_processor.request_states.items()
-                if state.external_req_id in prompts}
-    out: dict[str, list[int]] = {rid: [] for rid in prompts}
-    finished: set[str] = set()
-    t_first = None
-    while len(finished) < len(prompts):
-        for o in engine.engine_core.get_output().outputs:
-            rid = external.get(o.request_id)
-            if rid is None:
-                continue
-            out[rid] += o.new_token_ids
-            if o.finished:
-                finished.add(rid)
-        if t_first is None and all(out.values()):
-            t_first = time.perf_counter()
-    wall = time.perf_counter() - t_first
-    engine.abort_request(list(prompts))
-    if any(state.external_req_id in prompts for state in engine.output_processor.request_states.values()):
-        raise RuntimeError("vllm_core: the output processor kept requests after their abort")
-    drain(engine)
-    scheduler_of(engine).set_step(PsdStep(frozenset()))
     return wall * 1e3 / num_tokens, out
 
 
@@ -160,10 +134,8 @@ def _wait_share(profile: cProfile.Profile, wall_s: float) -> float:
 
 def _run_loop(name, engine, worker, b, a) -> tuple[float, dict]:
     prompts = _prompts(b, a.prompt_len, f"{name}-{b}-")
-    if name == "vllm_core":
-        return _vllm_core_loop(engine, prompts, a.num_tokens)
     if name.startswith("vllm"):
-        return _vllm_loop(engine, prompts, a.num_tokens, name == "vllm_logprob")
+        return _vllm_loop(engine, prompts, a.num_tokens, name == "vllm_logprob", core_only=name == "vllm_core")
     return _ours_loop(worker, prompts, a.num_tokens, a.decode_steps, -1 if name == "ours_no_logprob" else 0)
 
 

@@ -203,10 +203,14 @@ class VllmDraftWorker:
                                                             to_vllm_sampling(params, n, seed=seed, with_logprobs=False)))
                 rows[vllm_ids[-1]] = rid
             stats.admitted()
-            return self._step_until_done(rows, max(n for _, _, n, _ in jobs.values()), stats)
-        finally:   # ended in the engine core; core_step leaves their states in the output processor
+            tokens = self._step_until_done(rows, max(n for _, _, n, _ in jobs.values()), stats)
+        except BaseException:
             if vllm_ids:
                 self.engine.abort_request(vllm_ids, internal=True)
+            raise
+        # they ended in the engine core; core_step left their states in the output processor
+        self.engine.output_processor.abort_requests(vllm_ids, internal=True)
+        return tokens
 
     def _step_until_done(self, rows: dict[str, str], max_tokens: int, stats: DraftCallStats) -> dict[str, list[int]]:
         """Step the engine until every engine request of ``rows`` ({vLLM's internal request id: row
