@@ -93,6 +93,7 @@ class DraftResult:
     draft_ms: float
     data_plane_ms: float
     wall_ms: float
+    service_ms: float = 0.0  # the drafter's own wall time on the call (DraftResponse.service_ms)
 
 
 class EngineClients:
@@ -182,7 +183,7 @@ class EngineClients:
         drafts = [
             PendingDrafts(step_id, row, probs, dtype, vocab_size, has_probs) for row, probs in zip(token_rows, prob_rows)
         ]
-        return DraftResult(drafts, response.draft_ms, response.data_plane_ms, wall_ms)
+        return DraftResult(drafts, response.draft_ms, response.data_plane_ms, wall_ms, response.service_ms)
 
     async def verify(
         self, step_id: int, request_ids: list[str], drafts: list[PendingDrafts] | None, data_plane: int,

@@ -68,7 +68,8 @@ class Postprocess:
                         times: StepTimes, start_s: float, batch: int) -> None:
         """One Verify call's phase and times, and its cost, fitted at the call's widest row (its
         padded width on a GPU)."""
-        times.phases.append(Phase("verifier", batch, start_s, response.verify_ms, rpc_ms, len(reqs)))
+        times.phases.append(Phase("verifier", batch, start_s, response.verify_ms, rpc_ms, len(reqs),
+                                  response.service_ms))
         times.verify_ms += response.verify_ms
         times.data_plane_ms += response.data_plane_ms
         # verify cost is fitted at the call's widest row (its padded width on a GPU), per decode

@@ -202,7 +202,8 @@ class StepLoop(Postprocess):
                 request.drafts = drafts
         self.spec_stats.cost.observe_draft(len(requests), max(row_ks), result.draft_ms)  # max k_i steps ran
         times.draft_ms += result.draft_ms
-        times.phases.append(Phase("drafter", batch, start_s, result.draft_ms, result.wall_ms, len(requests)))
+        times.phases.append(Phase("drafter", batch, start_s, result.draft_ms, result.wall_ms, len(requests),
+                                  result.service_ms))
         times.data_plane_ms += result.data_plane_ms
         times.num_drafted += len(requests)
 

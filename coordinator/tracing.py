@@ -41,6 +41,9 @@ class Phase:
         compute_ms: compute time the engine reported (draft_ms / verify_ms).
         rpc_ms: wall time of the RPC measured at the coordinator.
         num_requests: requests in the call.
+        service_ms: the engine service's wall time on the call (its response's ``service_ms``;
+            0 from a service that does not report it); ``rpc_ms - service_ms`` is gRPC transport
+            and the coordinator's client, ``service_ms - compute_ms`` the service's own share.
     """
 
     engine: str
@@ -49,6 +52,7 @@ class Phase:
     compute_ms: float
     rpc_ms: float
     num_requests: int
+    service_ms: float = 0.0
 
 
 @dataclass

@@ -134,15 +134,20 @@ class DrafterServicer(engine_pb2_grpc.DrafterServicer):
         return engine_pb2.AddRequestsResponse(forward_ms=elapsed_ms(start))
 
     async def Draft(self, request, context):
+        """``_draft`` in the engine thread; the response's ``service_ms`` is this handler's wall
+        time on the call."""
+        start = time.perf_counter()
         await self._check_ready(context)
         plane = request.data_plane or self.data_plane
         if plane == engine_pb2.DATA_PLANE_DIST and self.probs_server is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "DATA_PLANE_DIST asked, but the drafter runs with --data-plane inline")
         try:
-            return await self.executor.run(self._draft, request, plane)
+            response = await self.executor.run(self._draft, request, plane)
         except Exception as exc:
             await abort_with(context, exc)
+        response.service_ms = elapsed_ms(start)
+        return response
 
     async def ReleaseRequests(self, request, context):
         await self._check_ready(context)

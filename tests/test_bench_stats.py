@@ -76,6 +76,19 @@ def test_critical_call_overhead_is_what_the_coordinator_adds_around_the_call_tha
     assert critical_call_overhead([{**step, "phases": []}]) == {}
 
 
+def test_rpc_extra_splits_into_service_and_transport_when_every_critical_call_reports_its_service_time():
+    # Draft call: 25 ms at the coordinator, 23.5 ms in the drafter's handler, 22 ms of compute
+    step = {"start_s": 10.0, "wall_ms": 30.0, "is_parallel": True, "phases": [
+        {"engine": "verifier", "start_s": 10.0005, "rpc_ms": 12.0, "compute_ms": 10.0, "service_ms": 11.0},
+        {"engine": "drafter", "start_s": 10.0015, "rpc_ms": 25.0, "compute_ms": 22.0, "service_ms": 23.5}]}
+    parts = critical_call_overhead([step])
+    assert parts["critical_service_extra_ms"] == pytest.approx(1.5) and parts["critical_transport_ms"] == pytest.approx(1.5)
+    assert parts["critical_rpc_extra_ms"] == pytest.approx(3.0)
+    old_service = {**step, "phases": [{**step["phases"][1], "service_ms": 0.0}]}   # a service that does not report it
+    parts = critical_call_overhead([step, old_service])
+    assert "critical_transport_ms" not in parts and parts["critical_rpc_extra_ms"] == pytest.approx(3.0)
+
+
 def test_step_split_reports_the_serial_steps_call_overhead_apart(tmp_path):
     """``ar``'s steps (one Verify call, not parallel) get ``serial_*``, psd's parallel ones ``critical_*``."""
     serial = {"start_s": 5.0, "draft_ms": 0.0, "verify_ms": 100.0, "data_plane_ms": 0.0, "idle_ms": 5.0, "wall_ms": 105.0,

@@ -196,7 +196,7 @@ def test_markdown_has_a_row_per_system_the_ratios_and_the_greedy_check():
     assert "| 1 | psd-vllm / vllm-sd-k4 = 1.20x | psd-vllm 1.80x, ar-vllm 0.90x | psd-vllm 1.20x (vllm-sd-k4) |" in text
     assert "- psd-vllm c=1: 3/4" in text and "k = 3 (ours), m = 2" in text
     assert "BENCHMARK-ONLY" not in text and "FAILED" not in text
-    assert "| vllm-ar | 1 | 10 | 100 | 2.50 | - | - | - | - | 1 |" in text   # failed requests, not error kinds
+    assert "| vllm-ar | 1 | 10 | 100 | 2.50 | - | - | - | - | - | 1 |" in text   # failed requests, not error kinds
 
 
 def test_around_the_call_prefers_psds_parallel_steps_then_the_others():
@@ -207,6 +207,17 @@ def test_around_the_call_prefers_psds_parallel_steps_then_the_others():
     assert around_the_call({**serial, "critical_lead_ms": 1.0, "critical_rpc_extra_ms": 2.0,
                             "critical_tail_ms": 2.0}) == pytest.approx(5.0)
     assert around_the_call({"draft_ms": 1.0}) is None
+
+
+def test_rpc_extra_split_shows_service_and_transport_of_the_same_steps_as_around_the_call():
+    from bench.engines.report_compare import rpc_extra_split
+
+    serial = {"serial_lead_ms": 0.5, "serial_rpc_extra_ms": 3.0, "serial_tail_ms": 1.0}
+    assert rpc_extra_split(serial) == "-" and rpc_extra_split({}) == "-"   # services without service_ms
+    split = {**serial, "serial_service_extra_ms": 0.75, "serial_transport_ms": 2.25}
+    assert rpc_extra_split(split) == "0.75 / 2.25"
+    assert rpc_extra_split({**split, "critical_rpc_extra_ms": 2.0, "critical_service_extra_ms": 0.5,
+                            "critical_transport_ms": 1.5}) == "0.50 / 1.50"
 
 
 def test_markdown_labels_fixed_acceptance_and_lists_failures():

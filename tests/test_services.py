@@ -126,6 +126,8 @@ def run_grpc(services, tag: str, plane: int) -> list[list[tuple[list[int], int]]
             step_id=step, request_ids=ids, draft_token_ids=draft.draft_token_ids, draft_probs=draft.draft_probs,
             has_draft_probs=draft.has_draft_probs, data_plane=plane, draft_step_id=step))
         assert verify.data_plane_ms > 0 and verify.verify_ms > 0
+        # each service's own wall time on the call covers its engine's compute and data plane
+        assert verify.service_ms >= verify.verify_ms + verify.data_plane_ms and draft.service_ms >= draft.draft_ms > 0
         for rid, out in zip(ids, verify.outputs):
             known[rid] = len(committed[rid])
             committed[rid] += list(out.token_ids)

@@ -206,6 +206,13 @@ def test_metrics_counters_equal_the_run_totals(traced_run):
     assert _sample(gateway, "minedraft:gateway_time_to_first_token_seconds_count") == NUM_REQUESTS
 
 
+def test_step_log_phases_carry_each_services_own_time_on_the_call(traced_run):
+    with open(traced_run["cfg"].step_log, encoding="utf-8") as f:
+        phases = [phase for line in f for phase in json.loads(line)["phases"]]
+    assert {p["engine"] for p in phases} == {"drafter", "verifier"}
+    assert all(p["compute_ms"] <= p["service_ms"] <= p["rpc_ms"] for p in phases)
+
+
 def test_timeline_renders_step_log_and_otlp_export(traced_run, tmp_path):
     status = traced_run["status"]
     ratio = status.num_parallel_steps / status.num_steps

@@ -10,12 +10,13 @@ without the dist plane -> FAILED_PRECONDITION, dist plane not connected -> UNAVA
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import torch
 from opentelemetry import trace
 
-from engine_svc.service import EngineExecutor, abort_with, engine_info
+from engine_svc.service import EngineExecutor, abort_with, elapsed_ms, engine_info
 from minedraft.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from engine_svc.tensor_proto import tensor_to_proto
 
@@ -94,19 +95,25 @@ class VerifierServicer(engine_pb2_grpc.VerifierServicer):
             await abort_with(context, exc)
 
     async def Verify(self, request, context):
+        """``VerifierEngine.verify`` in the engine thread; the response's ``service_ms`` is this
+        handler's wall time on the call."""
+        start = time.perf_counter()
         await self._check_ready(context)
         plane = await self._plane_of(request, context)
         try:
-            return await self.executor.run(self.engine.verify, request, plane)
+            response = await self.executor.run(self.engine.verify, request, plane)
         except Exception as exc:
             await abort_with(context, exc)
+        response.service_ms = elapsed_ms(start)
+        return response
 
     async def VerifyStream(self, request, context):
         """``Verify``, streaming a multi-step call's tokens as they decode: the engine thread
         hands on its outputs every ``request.stream_interval`` steps (``verifier_svc.streaming``),
         what it handed on since the last message goes out as one partial message (rows merged),
-        and the call's whole ``VerifyResponse`` comes last (with the steps no partial carried).
-        Errors as ``Verify``'s."""
+        and the call's whole ``VerifyResponse`` comes last (with the steps no partial carried, and
+        ``service_ms``: this handler's wall time up to it). Errors as ``Verify``'s."""
+        start = time.perf_counter()
         await self._check_ready(context)
         plane = await self._plane_of(request, context)
         loop = asyncio.get_running_loop()
@@ -125,9 +132,11 @@ class VerifierServicer(engine_pb2_grpc.VerifierServicer):
                 ready = await _next_steps(steps, call)
                 if ready:
                     yield merge_partial(request.step_id, ready)
-            yield call.result()
+            response = call.result()
         except Exception as exc:
             await abort_with(context, exc)
+        response.service_ms = elapsed_ms(start)
+        yield response
 
     async def ReleaseRequests(self, request, context):
         await self._check_ready(context)

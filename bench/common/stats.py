@@ -132,9 +132,12 @@ def critical_call_overhead(steps: list[dict], prefix: str = "critical") -> dict:
     critical call, the engine call that ended last: ``<prefix>_lead_ms`` (step start to that call
     being sent: the coordinator's work before it), ``<prefix>_rpc_extra_ms`` (its RPC wall time
     beyond the engine's compute: gRPC and the service) and ``<prefix>_tail_ms`` (its return to the
-    step's end: the coordinator's work after it). ``step_split`` reports them as ``critical_*``
-    over psd's parallel steps and ``serial_*`` over the others (e.g. ``ar``'s, one Verify call
-    each). Empty when no step has phases."""
+    step's end: the coordinator's work after it). When every such call's service reported its
+    own wall time (``service_ms`` > 0), ``rpc_extra`` splits into ``<prefix>_service_extra_ms``
+    (the service's time beyond the engine's compute: validation, thread hops, data plane) and
+    ``<prefix>_transport_ms`` (the rest: gRPC both ways and the coordinator's client).
+    ``step_split`` reports them as ``critical_*`` over psd's parallel steps and ``serial_*`` over
+    the others (e.g. ``ar``'s, one Verify call each). Empty when no step has phases."""
     parts = []
     for step in steps:
         phases = step.get("phases") or []
@@ -142,11 +145,17 @@ def critical_call_overhead(steps: list[dict], prefix: str = "critical") -> dict:
             continue
         last = max(phases, key=lambda p: p["start_s"] + p["rpc_ms"] / 1e3)
         lead_ms = (last["start_s"] - step["start_s"]) * 1e3
-        parts.append((lead_ms, last["rpc_ms"] - last["compute_ms"], step["wall_ms"] - lead_ms - last["rpc_ms"]))
+        service_ms = float(last.get("service_ms") or 0.0)
+        parts.append((lead_ms, last["rpc_ms"] - last["compute_ms"], step["wall_ms"] - lead_ms - last["rpc_ms"],
+                      service_ms - last["compute_ms"], last["rpc_ms"] - service_ms, service_ms > 0))
     if not parts:
         return {}
     names = (f"{prefix}_lead_ms", f"{prefix}_rpc_extra_ms", f"{prefix}_tail_ms")
-    return {name: sum(p[i] for p in parts) / len(parts) for i, name in enumerate(names)}
+    out = {name: sum(p[i] for p in parts) / len(parts) for i, name in enumerate(names)}
+    if all(p[5] for p in parts):
+        out[f"{prefix}_service_extra_ms"] = sum(p[3] for p in parts) / len(parts)
+        out[f"{prefix}_transport_ms"] = sum(p[4] for p in parts) / len(parts)
+    return out
 
 
 def ratio(numerator: float, denominator: float) -> float:

@@ -88,6 +88,17 @@ def around_the_call(split: dict) -> float | None:
     return None
 
 
+def rpc_extra_split(split: dict) -> str:
+    """``service / transport`` ms of the RPC beyond compute in ``around_the_call`` (the engine
+    service's own time, then gRPC and the coordinator's client), same steps; "-" when the
+    services did not report their time (``service_ms``)."""
+    for prefix in ("critical", "serial"):
+        if f"{prefix}_rpc_extra_ms" in split:
+            parts = [split.get(f"{prefix}_{name}_ms") for name in ("service_extra", "transport")]
+            return "-" if None in parts else f"{parts[0]:.2f} / {parts[1]:.2f}"
+    return "-"
+
+
 def markdown(results: dict, cfg) -> str:
     """Tables: tok/s per system and concurrency, latency/TTFT/acceptance, ratios, greedy check."""
     runs = [r for r in results["runs"] if "metrics" in r]
@@ -108,16 +119,17 @@ def markdown(results: dict, cfg) -> str:
         lines.append(f"| {s} | " + " | ".join(_fmt(_tok_s(get[(s, c)])) if (s, c) in get else "-" for c in cs) + " |")
     lines += ["", "TTFT p50 / latency p50 (ms), mean acceptance length, step split (ms: draft / verify / wall; "
               "around the call: the coordinator and gRPC around the step's last-ending engine call, "
-              "lead + RPC beyond its compute + tail, psd's parallel steps else the others):", "",
+              "lead + RPC beyond its compute + tail, psd's parallel steps else the others; its RPC part "
+              "split into the service's own time / gRPC transport and client):", "",
               "| system | c | TTFT p50 | latency p50 | accept len | draft | verify | step wall | around the call "
-              "| failed requests |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| RPC: service / transport | failed requests |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         m, split = r["metrics"], r.get("step_split") or {}
         lines.append(f"| {r['system']} | {r['concurrency']} | {_fmt(m['ttft_ms_p50'], 0)} | {_fmt(m['latency_ms_p50'], 0)} "
                      f"| {_fmt(m['mean_acceptance_length'], 2)} | {_fmt(split.get('draft_ms'), 2)} "
                      f"| {_fmt(split.get('verify_ms'), 2)} | {_fmt(split.get('wall_ms'), 2)} "
-                     f"| {_fmt(around_the_call(split), 2)} | {m['num_errors']} |")
+                     f"| {_fmt(around_the_call(split), 2)} | {rpc_extra_split(split)} | {m['num_errors']} |")
     lines += ["", "Ratios (tok/s):", "", "| c | best ours / best vLLM | ours / vllm-ar | psd / best vllm-sd |",
               "|---|---|---|---|"]
     for row in results["ratios"]:
