@@ -58,14 +58,16 @@ def repeats_a_stretch(reference: str, text: str, max_len: int = 200, context: in
     and then goes on as ``reference`` does: tokens streamed twice, a serving bug's signature (a
     numerics difference substitutes a token instead). A stretch the reference itself had just
     repeated does not count: a model caught in a loop may leave it one round later under other
-    numerics ("A and B. A and B. A and B." then on), which no serving bug is needed for."""
+    numerics ("A and B. A and B. A and B." then on), which no serving bug is needed for; nor
+    does a stretch of one character or of digits only, which a substituted token explains as
+    well ("210 * 10 = 210 photos" against "... = 2100 photos")."""
     i = next((j for j, (a, b) in enumerate(zip(reference, text)) if a != b), None)
     if i is None:
         return False
     after = reference[i:i + context]
     return any(text[i:i + n] == reference[i - n:i] and text[i + n:i + n + len(after)] == after
-               and reference[i - 2 * n:i - n] != reference[i - n:i]
-               for n in range(1, min(max_len, i) + 1))
+               and reference[i - 2 * n:i - n] != reference[i - n:i] and not reference[i - n:i].isdigit()
+               for n in range(2, min(max_len, i) + 1))
 
 
 def _repeat_note(check: dict) -> str:
