@@ -52,6 +52,11 @@ class CallJoins:
         with self._lock:
             self._is_open = True
 
+    def has_pending(self) -> bool:
+        """The engine thread: whether a join waits (a read without the lock: one submitted
+        meanwhile is seen at the next step boundary)."""
+        return bool(self._pending)
+
     def take(self) -> list[Join]:
         """The engine thread: the joins submitted since the last ``take``."""
         with self._lock:

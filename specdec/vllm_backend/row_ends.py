@@ -51,15 +51,20 @@ class RowEnds:
         call's ``StepDelta``s so far): stop the rows that sampled a stop token, and return the ids
         whose part in the call ended with this step before the call's last step (stopped, at a
         cap below the call's steps, or at the context window)."""
-        ended, num_steps = set(), self.scheduler.psd_step.num_steps
+        ended, step = set(), self.scheduler.psd_step
         for rid, output in outputs.items():
-            stops = self._stop_sets.get(rid)
+            vllm_id = self._vllm_ids.get(rid)
+            if vllm_id is None:
+                continue
+            stops = self._stop_sets[rid]
             if rid not in self._stopped and stops and not stops.isdisjoint(output.token_ids):
                 self._stopped.add(rid)
-                self.scheduler.stop(self._vllm_ids[rid])
+                self.scheduler.stop(vllm_id)
                 ended.add(rid)
-            elif rid in self._vllm_ids and self.is_done(self._vllm_ids[rid], merged.get(rid)) and (
-                    self.quota(self._vllm_ids[rid]) < num_steps or merged[rid].finish_reason is not None):
+                continue
+            delta, quota = merged.get(rid), step.quota(vllm_id)   # one quota look-up per row and step
+            if delta is not None and (delta.finish_reason is not None
+                                      or (delta.num_steps >= quota and quota < step.num_steps)):
                 ended.add(rid)
         return ended
 

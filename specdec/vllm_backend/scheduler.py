@@ -143,13 +143,17 @@ class PsdSchedulerMixin:
         stray = [r.request_id for r in self.waiting if r.request_id not in step.request_ids]
         if stray:
             raise RuntimeError(f"waiting requests outside the scheduled batch: {stray}")
-        done = self.num_sampling_steps
-        paused = [r for r in self.running if r.request_id not in step.request_ids
-                  or done.get(r.request_id, 0) >= step.quota(r.request_id)]
-        self.running = [r for r in self.running if r not in paused]
-        for request in self.running:   # the drafts go with a request's first sampling step
-            is_first = done.get(request.request_id, 0) == 0
-            request.spec_token_ids = list(step.draft_token_ids.get(request.request_id, ()) if is_first else ())
+        done, named, drafts = self.num_sampling_steps, step.request_ids, step.draft_token_ids
+        running, paused = [], []
+        for request in self.running:   # one pass: the named requests with steps left run
+            rid = request.request_id
+            num_done = done.get(rid, 0)
+            if rid in named and num_done < step.quota(rid):
+                running.append(request)   # the drafts go with a request's first sampling step
+                request.spec_token_ids = list(drafts.get(rid, ())) if num_done == 0 and drafts else []
+            else:
+                paused.append(request)
+        self.running = running
         try:
             output = super().schedule(*args, **kwargs)
         finally:

@@ -262,10 +262,12 @@ class VllmTargetWorker(JoiningCallsMixin):
         if takes_joins:
             ends.add({by_vllm_id[v]: self._requests[by_vllm_id[v]] for v in step.request_ids if v in by_vllm_id})
             self._joins.open()
+        # the named rows whose part in the call is not done (ours -> vLLM id): a row's state
+        # changes only in a step that gives it output, so only those rows are looked at again
+        left = {by_vllm_id.get(v, v): v for v in step.request_ids}
         try:
-            is_done = False
             for _ in range(step.num_steps + MAX_PREFILL_STEPS):
-                if takes_joins and not is_done:
+                if takes_joins and left and self._joins.has_pending():
                     joined += self._take_joins(ends.steps_left(step.request_ids, by_vllm_id, merged), ends)
                 outputs = core_step(self.engine, self._names)
                 for rid, output in outputs.items():
@@ -273,9 +275,11 @@ class VllmTargetWorker(JoiningCallsMixin):
                 final = ends.after_step(outputs, merged)
                 if on_engine_step is not None:
                     on_engine_step(outputs, final)
-                joined = self._resolve_joins(joined, merged)
-                is_done = all(ends.is_done(v, merged.get(by_vllm_id.get(v, v))) for v in step.request_ids)
-                if is_done and not joined and ends.all_done(merged):
+                joined = self._resolve_joins(joined, merged) if joined else joined
+                for rid in outputs:
+                    if rid in left and ends.is_done(left[rid], merged[rid]):
+                        del left[rid]
+                if not left and not joined and ends.all_done(merged):
                     break
             else:
                 raise RuntimeError(f"vLLM did not finish {step.num_steps} steps in {step.num_steps + MAX_PREFILL_STEPS}")

@@ -224,3 +224,17 @@ def test_psd_step_join_gives_one_step_and_keeps_the_counts() -> None:
     assert step.quota("a") == 8 and step.quota("b") == 8
     joined = PsdStep(step.request_ids | {"b"}, num_steps=8, num_steps_of={"b": 1})
     assert joined.quota("a") == 8 and joined.quota("b") == 1
+
+
+def test_call_joins_say_whether_a_join_waits() -> None:
+    from specdec.vllm_backend.joining import CallJoins
+
+    joins = CallJoins()
+    assert not joins.has_pending() and joins.submit([("a", [1], GREEDY)]) is None   # no call running
+    joins.open()
+    assert not joins.has_pending()
+    future = joins.submit([("a", [1], GREEDY)])
+    assert future is not None and joins.has_pending()
+    assert [j.future for j in joins.take()] == [future] and not joins.has_pending()
+    joins.submit([("b", [1], GREEDY)])
+    assert len(joins.close()) == 1 and not joins.has_pending()
