@@ -33,24 +33,28 @@ class Admitting:
         """One step, with the requests that arrive meanwhile admitted at once: their prefill
         goes to the verifier beside the running Verify call (the vLLM engine prefills them
         between two of the call's decode steps and answers with the first token: TTFT; the
-        native engine after the call), and they decode from the next step on. The step's
-        error, if any, is raised once the admissions under way have finished."""
+        native engine after the call), and they decode from the next step on. Admissions run
+        beside each other: a request that arrives while an earlier one waits for its first
+        token is sent at once, not after it (vLLM admits at every engine step). The step's
+        error, or else an admission's, is raised once every admission under way has finished."""
         step = asyncio.ensure_future(self.step())
+        admissions: list[asyncio.Future] = []
         try:
             while not step.done():
                 arrival = asyncio.ensure_future(self._wakeup.wait())
                 await asyncio.wait({step, arrival}, return_when=asyncio.FIRST_COMPLETED)
                 arrival.cancel()
-                self._wakeup.clear()  # arrivals during the admission below wake the next wait
+                self._wakeup.clear()  # arrivals after this wake the next wait
                 if not step.done() and self.waiting:
-                    await self._admit()
+                    admissions.append(asyncio.ensure_future(self._admit()))
         finally:
-            if not step.done():
-                await asyncio.wait({step})
-        try:
-            step.result()
-        finally:
-            self._commit_joined()
+            under_way = [f for f in (step, *admissions) if not f.done()]
+            if under_way:
+                await asyncio.wait(under_way)
+        errors = [f.exception() for f in (step, *admissions) if f.exception() is not None]
+        self._commit_joined()
+        if errors:
+            raise errors[0]
 
     def _commit_joined(self) -> None:
         """Commit the tokens that requests admitted during the step decoded inside its Verify

@@ -71,10 +71,18 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
         self.call_ends_s: list[float] = []       # perf_counter at the end of each streamed call
         # as the vLLM verifier: requests added while a multi-step call runs decode in it too
         self.joins_decode, self._joined_ids = False, None
+        self.add_delay_s, self.adds_in_flight, self.max_adds_in_flight = 0.0, 0, 0   # AddRequests' prefill time
 
     async def AddRequests(self, request, context):
         if any(BAD_TOKEN in seq.prompt_token_ids for seq in request.seqs):  # all or nothing, like the real one
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt does not fit max_model_len")
+        if self.add_delay_s:
+            self.adds_in_flight += 1
+            self.max_adds_in_flight = max(self.max_adds_in_flight, self.adds_in_flight)
+            try:
+                await asyncio.sleep(self.add_delay_s)
+            finally:
+                self.adds_in_flight -= 1
         outputs = []
         for seq in request.seqs:
             assert seq.request_id not in self.committed and len(self.committed) < NUM_SLOTS

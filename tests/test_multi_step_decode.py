@@ -171,6 +171,43 @@ def test_a_request_arriving_during_a_multi_step_call_is_admitted_at_once(joins_d
     assert b_events[:2] == ([1, 8] if joins_decode else [1, 9]), events  # vLLM-like: 7 more within a's call
 
 
+@pytest.mark.parametrize("joins_decode", [False, True], ids=["native-like", "vllm-like"])
+def test_requests_arriving_during_a_call_are_admitted_beside_each_other(joins_decode: bool) -> None:
+    """A request that arrives while an earlier newcomer's prefill is still under way during the
+    running call is sent to the verifier at once, not after that prefill (their AddRequests
+    overlap); every output stays the reference."""
+    from minedraft.v1 import common_pb2
+
+    async def stream(h, rid: str, prompt: list[int], max_tokens: int, started: asyncio.Event | None = None):
+        call = h.stub.Generate(coordinator_pb2.CoordinatorGenerateRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens)))
+        tokens: list[int] = []
+        async for response in call:
+            if response.WhichOneof("response") == "chunk":
+                tokens += response.chunk.token_ids
+                if started is not None:
+                    started.set()
+        return tokens
+
+    async def run():
+        async with Harness(mode="ar", max_num_seqs=4, num_decode_steps=8, delay_s=1.0,
+                           stream_decode_steps=False) as h:
+            h.verifier.joins_decode = joins_decode
+            first = asyncio.Event()
+            a = asyncio.ensure_future(stream(h, "a", [5, 9, 17], 17, first))
+            await first.wait()              # "a" has its first token; its 8-token Verify call runs
+            h.verifier.add_delay_s = 0.3    # each newcomer's prefill takes 0.3 s from now on
+            b = asyncio.ensure_future(stream(h, "b", [7, 1, 30], 9))
+            await asyncio.sleep(0.1)        # "b" is prefilling when "c" arrives
+            c = await stream(h, "c", [4, 2], 5)
+            return await a, await b, c, h.verifier.max_adds_in_flight
+
+    a, b, c, max_in_flight = asyncio.run(run())
+    assert a == _expected([5, 9, 17], {"max_tokens": 17}) and b == _expected([7, 1, 30], {"max_tokens": 9})
+    assert c == _expected([4, 2], {"max_tokens": 5})
+    assert max_in_flight == 2
+
+
 def test_a_request_finishing_inside_a_streamed_call_ends_before_the_call() -> None:
     """Streamed multi-step calls (``stream_decode_steps``, the default): each step's token
     reaches the stream as the verifier decodes it, so a request whose ``max_tokens`` falls inside
