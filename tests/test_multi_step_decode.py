@@ -9,6 +9,7 @@ never asks past a request's ``max_tokens`` or the context window, and counts tok
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -128,6 +129,36 @@ def test_coordinator_multi_step_output_equals_reference(mode: str, stream: bool)
         assert all(2 <= n <= min(6, longest) for n in seen_many)
 
 
+async def _stream(h, rid: str, prompt: list[int], max_tokens: int, started: asyncio.Event | None = None,
+                  events: list | None = None) -> list[int]:
+    """One Generate stream through the harness: its tokens; each chunk sets ``started`` and adds
+    (request id, tokens so far) to ``events``."""
+    call = h.stub.Generate(coordinator_pb2.CoordinatorGenerateRequest(
+        request_id=rid, prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens)))
+    tokens: list[int] = []
+    async for response in call:
+        if response.WhichOneof("response") == "chunk":
+            tokens += response.chunk.token_ids
+            if events is not None:
+                events.append((rid, len(tokens)))
+            if started is not None:
+                started.set()
+    return tokens
+
+
+@contextlib.asynccontextmanager
+async def _call_running(joins_decode: bool, delay_s: float, events: list | None = None):
+    """A harness (``ar``, unstreamed 8-step calls of ``delay_s``) whose request "a" has its first
+    token and whose first Verify call runs: yields (harness, a's stream task)."""
+    async with Harness(mode="ar", max_num_seqs=4, num_decode_steps=8, delay_s=delay_s,
+                       stream_decode_steps=False) as h:
+        h.verifier.joins_decode = joins_decode
+        first = asyncio.Event()
+        a = asyncio.ensure_future(_stream(h, "a", [5, 9, 17], 17, first, events))
+        await first.wait()
+        yield h, a
+
+
 @pytest.mark.parametrize("joins_decode", [False, True], ids=["native-like", "vllm-like"])
 def test_a_request_arriving_during_a_multi_step_call_is_admitted_at_once(joins_decode: bool) -> None:
     """``ar`` with ``--decode-steps``: a newcomer's prefill goes to the verifier while the
@@ -136,31 +167,12 @@ def test_a_request_arriving_during_a_multi_step_call_is_admitted_at_once(joins_d
     vLLM-like: the newcomer also decodes in that call (its tokens come back after the named
     rows') and they are streamed after its first token. (Unstreamed calls, whose tokens come at
     their end; streamed ones: the next test.)"""
-    from minedraft.v1 import common_pb2
-
     events: list[tuple[str, int]] = []
 
-    async def stream(h, rid: str, prompt: list[int], max_tokens: int, started: asyncio.Event | None = None):
-        call = h.stub.Generate(coordinator_pb2.CoordinatorGenerateRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens)))
-        tokens: list[int] = []
-        async for response in call:
-            if response.WhichOneof("response") == "chunk":
-                tokens += response.chunk.token_ids
-                events.append((rid, len(tokens)))
-                if started is not None:
-                    started.set()
-        return tokens
-
     async def run():
-        async with Harness(mode="ar", max_num_seqs=4, num_decode_steps=8, delay_s=0.4,
-                           stream_decode_steps=False) as h:
-            h.verifier.joins_decode = joins_decode
-            first = asyncio.Event()
-            a = asyncio.ensure_future(stream(h, "a", [5, 9, 17], 17, first))
-            await first.wait()              # "a" has its first token; its 8-token Verify call runs
+        async with _call_running(joins_decode, 0.4, events) as (h, a):
             await asyncio.sleep(0.05)
-            b = await stream(h, "b", [7, 1, 30], 9)
+            b = await _stream(h, "b", [7, 1, 30], 9, events=events)
             return await a, b
 
     a, b = asyncio.run(run())
@@ -176,30 +188,12 @@ def test_requests_arriving_during_a_call_are_admitted_beside_each_other(joins_de
     """A request that arrives while an earlier newcomer's prefill is still under way during the
     running call is sent to the verifier at once, not after that prefill (their AddRequests
     overlap); every output stays the reference."""
-    from minedraft.v1 import common_pb2
-
-    async def stream(h, rid: str, prompt: list[int], max_tokens: int, started: asyncio.Event | None = None):
-        call = h.stub.Generate(coordinator_pb2.CoordinatorGenerateRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens)))
-        tokens: list[int] = []
-        async for response in call:
-            if response.WhichOneof("response") == "chunk":
-                tokens += response.chunk.token_ids
-                if started is not None:
-                    started.set()
-        return tokens
-
     async def run():
-        async with Harness(mode="ar", max_num_seqs=4, num_decode_steps=8, delay_s=1.0,
-                           stream_decode_steps=False) as h:
-            h.verifier.joins_decode = joins_decode
-            first = asyncio.Event()
-            a = asyncio.ensure_future(stream(h, "a", [5, 9, 17], 17, first))
-            await first.wait()              # "a" has its first token; its 8-token Verify call runs
+        async with _call_running(joins_decode, 1.0) as (h, a):
             h.verifier.add_delay_s = 0.3    # each newcomer's prefill takes 0.3 s from now on
-            b = asyncio.ensure_future(stream(h, "b", [7, 1, 30], 9))
+            b = asyncio.ensure_future(_stream(h, "b", [7, 1, 30], 9))
             await asyncio.sleep(0.1)        # "b" is prefilling when "c" arrives
-            c = await stream(h, "c", [4, 2], 5)
+            c = await _stream(h, "c", [4, 2], 5)
             return await a, await b, c, h.verifier.max_adds_in_flight
 
     a, b, c, max_in_flight = asyncio.run(run())
