@@ -154,3 +154,17 @@ def _weight_bytes(model_dir: str, dtype_bytes: int) -> int:
         return num_safetensors_params(model_dir)[0] * dtype_bytes
     except (OSError, ValueError):
         return 0
+
+
+def streamer(named: list[tuple[str, int]], on_step):
+    """``VllmTargetWorker._run``'s per-engine-step hook for a streamed call: {request id: one
+    step's ``CoreOutput``} and the ids whose part ended in it -> ``on_step`` with the named rows'
+    ``StepOutput``s (``named``: (request id, top logprobs asked) per named row, in order)."""
+    def hook(outputs: dict, final: set[str]) -> None:
+        steps = [step_output(rid, outputs[rid], 0, num_top) for rid, num_top in named
+                 if rid in outputs and outputs[rid].token_ids]
+        for out in steps:
+            out.is_final = out.request_id in final
+        if steps:
+            on_step(steps)
+    return hook

@@ -32,7 +32,7 @@ from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
 from specdec.vllm_backend.engine import (VllmEngineConfig, build_engine, refusals_as_value_errors, scheduler_of,
                                          to_vllm_sampling)
 from specdec.vllm_backend.joining import CallJoins, JoiningCallsMixin
-from specdec.vllm_backend.outputs import StepDelta, core_step, engine_facts, step_output
+from specdec.vllm_backend.outputs import StepDelta, core_step, engine_facts, step_output, streamer
 from specdec.vllm_backend.row_ends import RowEnds
 from specdec.vllm_backend.scheduler import PsdStep
 
@@ -190,7 +190,8 @@ class VllmTargetWorker(JoiningCallsMixin):
         step = PsdStep(frozenset(s.vllm_id for s in states),
                        {s.vllm_id: list(row) for s, row in zip(states, draft_token_ids) if row}, num_steps,
                        {s.vllm_id: cap for s, cap in zip(states, caps) if cap < num_steps})
-        outputs = self._run(step, self._streamer(request_ids, on_step))
+        outputs = self._run(step, None if on_step is None else streamer(
+            [(rid, self._requests[rid].params.logprobs) for rid in request_ids], on_step))
         missing = [rid for rid in request_ids if rid not in outputs]
         if missing:
             raise RuntimeError(f"vLLM did not run {missing} in this step")
@@ -228,22 +229,6 @@ class VllmTargetWorker(JoiningCallsMixin):
         """
         return self.verify(request_ids, [[] for _ in request_ids], None, num_steps, on_step, max_steps)
 
-    def _streamer(self, request_ids: list[str], on_step):
-        """``_run``'s per-engine-step hook for ``on_step``: {request id: one step's
-        ``CoreOutput``} -> the named rows' ``StepOutput``s (None: no hook)."""
-        if on_step is None:
-            return None
-        named = [(rid, self._requests[rid].params.logprobs) for rid in request_ids]
-
-        def hook(outputs: dict, final: set[str]) -> None:
-            steps = [step_output(rid, outputs[rid], 0, num_top) for rid, num_top in named
-                     if rid in outputs and outputs[rid].token_ids]
-            for out in steps:
-                out.is_final = out.request_id in final
-            if steps:
-                on_step(steps)
-        return hook
-
     def _run(self, step: PsdStep, on_engine_step=None) -> dict:
         """Engine steps restricted to ``step`` until every named request has run its
         ``step.num_steps`` sampling steps (or ended): {request id: ``StepDelta``, the merged
@@ -253,7 +238,7 @@ class VllmTargetWorker(JoiningCallsMixin):
         takes joins (``join_running_call``) until its rows are done, and ends a row's part after
         a step that samples one of its stop tokens (``RowEnds``). ``on_engine_step``: called with
         each engine step's {request id: ``CoreOutput``} and the ids whose part in the
-        call that step ended (``_streamer``)."""
+        call that step ended (``outputs.streamer``)."""
         self.scheduler.set_step(step)
         by_vllm_id = {state.vllm_id: rid for rid, state in self._requests.items()}
         merged: dict[str, StepDelta] = {}
