@@ -165,12 +165,13 @@ def test_greedy_comparison_counts_equal_outputs_on_common_prompts_at_the_same_co
 def test_a_mismatch_that_streams_a_stretch_twice_is_told_from_a_substitution():
     ref = "In a world where technology has transformed the way we live"
     assert repeats_a_stretch(ref, "In a world a world where technology has transformed the way")   # tokens sent twice
+    assert repeats_a_stretch(ref, "In aa world where technology has transformed the way we")
     assert repeats_a_stretch(ref, "In a a world where technology has transformed the way we")
-    # one character or digits again: a substituted token explains it as well (H200, session 26)
-    assert not repeats_a_stretch(ref, "In aa world where technology has transformed the way we")
+    # one digit again: a substituted token explains it as well (H200, session 26); two or more count
     math = "she can upload 210 * 10 = 210 photos in one day."
     assert not repeats_a_stretch(math, "she can upload 210 * 10 = 2100 photos in one day.")
-    assert not repeats_a_stretch(math, "she can upload 210 * 10 = 21010 photos in one day.")
+    assert repeats_a_stretch(math, "she can upload 210 * 10 = 21010 photos in one day.")
+    assert repeats_a_stretch("In 2024 we sold", "In 202424 we sold") and repeats_a_stretch("left. Then", "left.. Then")
     assert not repeats_a_stretch(ref, "In a world where science has transformed the way we live")    # numerics
     assert not repeats_a_stretch(ref, ref) and not repeats_a_stretch(ref, "In a world a world where people")
     looping = "Ten are male. Ten are male. Ten are male.\nSo the answer"   # the model loops by itself:

@@ -59,15 +59,15 @@ def repeats_a_stretch(reference: str, text: str, max_len: int = 200, context: in
     numerics difference substitutes a token instead). A stretch the reference itself had just
     repeated does not count: a model caught in a loop may leave it one round later under other
     numerics ("A and B. A and B. A and B." then on), which no serving bug is needed for; nor
-    does a stretch of one character or of digits only, which a substituted token explains as
-    well ("210 * 10 = 210 photos" against "... = 2100 photos")."""
+    does a single digit, which a substituted token explains as well ("210 * 10 = 210 photos"
+    against "... = 2100 photos"; two digits or more again, "= 8484", still count)."""
     i = next((j for j, (a, b) in enumerate(zip(reference, text)) if a != b), None)
     if i is None:
         return False
     after = reference[i:i + context]
     return any(text[i:i + n] == reference[i - n:i] and text[i + n:i + n + len(after)] == after
-               and reference[i - 2 * n:i - n] != reference[i - n:i] and not reference[i - n:i].isdigit()
-               for n in range(2, min(max_len, i) + 1))
+               and reference[i - 2 * n:i - n] != reference[i - n:i] and not (n == 1 and reference[i - 1].isdigit())
+               for n in range(1, min(max_len, i) + 1))
 
 
 def _repeat_note(check: dict) -> str:
