@@ -289,11 +289,13 @@ def _stream_and_unary(tiny_llama, num_steps: int, stream_interval: int = 0):
 
 def test_verify_stream_partials_add_up_to_the_whole_response(tiny_llama) -> None:
     """A partial per step but the last, whose tokens only the whole response carries (it follows
-    at once); the partials are a prefix of the whole response, which equals the unary call's."""
+    at once; steps the engine thread handed on before the service sent the previous partial go
+    out together, so a loaded machine sends fewer); the partials are a prefix of the whole
+    response, which equals the unary call's."""
     messages, unary = _stream_and_unary(tiny_llama, num_steps=6)
     *partials, whole = messages
     assert not whole.is_partial and all(m.is_partial for m in partials)
-    assert len(partials) == 5 and all(m.step_id == 7 for m in messages)
+    assert 1 <= len(partials) <= 5 and all(m.step_id == 7 for m in messages)
     streamed = {rid: ([], []) for rid in PROMPTS}
     for message in partials:
         for out in message.outputs:
