@@ -94,6 +94,8 @@ class DraftResult:
     data_plane_ms: float
     wall_ms: float
     service_ms: float = 0.0  # the drafter's own wall time on the call (DraftResponse.service_ms)
+    sent_s: float = 0.0  # when the Draft RPC was sent (Unix s)
+    service_start_s: float = 0.0  # when the drafter's handler started (DraftResponse.service_start_s)
 
 
 class EngineClients:
@@ -168,7 +170,7 @@ class EngineClients:
         ]
         k = max(ks)
         request = engine_pb2.DraftRequest(step_id=step_id, num_speculative_tokens=k, seqs=seqs, data_plane=data_plane)
-        start = time.perf_counter()
+        sent_s, start = time.time(), time.perf_counter()
         response = await self.drafter.Draft(request, timeout=self.timeout)
         wall_ms = (time.perf_counter() - start) * 1e3
         token_rows = _draft_rows(response, ks)
@@ -183,7 +185,8 @@ class EngineClients:
         drafts = [
             PendingDrafts(step_id, row, probs, dtype, vocab_size, has_probs) for row, probs in zip(token_rows, prob_rows)
         ]
-        return DraftResult(drafts, response.draft_ms, response.data_plane_ms, wall_ms, response.service_ms)
+        return DraftResult(drafts, response.draft_ms, response.data_plane_ms, wall_ms, response.service_ms, sent_s,
+                           response.service_start_s)
 
     async def verify(
         self, step_id: int, request_ids: list[str], drafts: list[PendingDrafts] | None, data_plane: int,

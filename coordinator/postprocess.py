@@ -11,6 +11,7 @@ as they arrive (``coordinator.streamed``), the whole response then adds only wha
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -68,8 +69,9 @@ class Postprocess:
                         times: StepTimes, start_s: float, batch: int) -> None:
         """One Verify call's phase and times, and its cost, fitted at the call's widest row (its
         padded width on a GPU)."""
+        sent_s = time.time() - rpc_ms / 1e3   # run as the call returns: _commit_group's first work
         times.phases.append(Phase("verifier", batch, start_s, response.verify_ms, rpc_ms, len(reqs),
-                                  response.service_ms))
+                                  response.service_ms, sent_s, response.service_start_s))
         times.verify_ms += response.verify_ms
         times.data_plane_ms += response.data_plane_ms
         # verify cost is fitted at the call's widest row (its padded width on a GPU), per decode

@@ -203,7 +203,7 @@ class StepLoop(Postprocess):
         self.spec_stats.cost.observe_draft(len(requests), max(row_ks), result.draft_ms)  # max k_i steps ran
         times.draft_ms += result.draft_ms
         times.phases.append(Phase("drafter", batch, start_s, result.draft_ms, result.wall_ms, len(requests),
-                                  result.service_ms))
+                                  result.service_ms, result.sent_s, result.service_start_s))
         times.data_plane_ms += result.data_plane_ms
         times.num_drafted += len(requests)
 

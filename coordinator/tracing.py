@@ -44,6 +44,9 @@ class Phase:
         service_ms: the engine service's wall time on the call (its response's ``service_ms``;
             0 from a service that does not report it); ``rpc_ms - service_ms`` is gRPC transport
             and the coordinator's client, ``service_ms - compute_ms`` the service's own share.
+        sent_s: when the RPC itself was sent (Unix s; ``start_s`` is earlier by the request's
+            building); service_start_s: when the service's handler started (Unix s; 0: not
+            reported). ``service_start_s - sent_s`` is the request's transport (one host, one clock).
     """
 
     engine: str
@@ -53,6 +56,8 @@ class Phase:
     rpc_ms: float
     num_requests: int
     service_ms: float = 0.0
+    sent_s: float = 0.0
+    service_start_s: float = 0.0
 
 
 @dataclass

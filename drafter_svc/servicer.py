@@ -135,8 +135,8 @@ class DrafterServicer(engine_pb2_grpc.DrafterServicer):
 
     async def Draft(self, request, context):
         """``_draft`` in the engine thread; the response's ``service_ms`` is this handler's wall
-        time on the call."""
-        start = time.perf_counter()
+        time on the call, ``service_start_s`` its start (Unix s)."""
+        start_s, start = time.time(), time.perf_counter()
         await self._check_ready(context)
         plane = request.data_plane or self.data_plane
         if plane == engine_pb2.DATA_PLANE_DIST and self.probs_server is None:
@@ -146,7 +146,7 @@ class DrafterServicer(engine_pb2_grpc.DrafterServicer):
             response = await self.executor.run(self._draft, request, plane)
         except Exception as exc:
             await abort_with(context, exc)
-        response.service_ms = elapsed_ms(start)
+        response.service_ms, response.service_start_s = elapsed_ms(start), start_s
         return response
 
     async def ReleaseRequests(self, request, context):

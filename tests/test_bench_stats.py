@@ -84,9 +84,17 @@ def test_rpc_extra_splits_into_service_and_transport_when_every_critical_call_re
     parts = critical_call_overhead([step])
     assert parts["critical_service_extra_ms"] == pytest.approx(1.5) and parts["critical_transport_ms"] == pytest.approx(1.5)
     assert parts["critical_rpc_extra_ms"] == pytest.approx(3.0)
+    assert "critical_request_transport_ms" not in parts     # no send time / handler start
     old_service = {**step, "phases": [{**step["phases"][1], "service_ms": 0.0}]}   # a service that does not report it
     parts = critical_call_overhead([step, old_service])
     assert "critical_transport_ms" not in parts and parts["critical_rpc_extra_ms"] == pytest.approx(3.0)
+    # the Draft RPC sent at +1.6 ms, its handler started at +2.1 ms: 0.5 ms there, 1.0 ms back
+    draft = {**step["phases"][1], "sent_s": 10.0016, "service_start_s": 10.0021}
+    timed = {**step, "phases": [step["phases"][0], draft]}
+    parts = critical_call_overhead([timed])
+    assert parts["critical_request_transport_ms"] == pytest.approx(0.5)
+    assert parts["critical_response_transport_ms"] == pytest.approx(1.0)
+    assert "critical_request_transport_ms" not in critical_call_overhead([timed, step])   # one call without them
 
 
 def test_step_split_reports_the_serial_steps_call_overhead_apart(tmp_path):

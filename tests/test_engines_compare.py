@@ -222,6 +222,8 @@ def test_rpc_extra_split_shows_service_and_transport_of_the_same_steps_as_around
     assert rpc_extra_split(serial) == "-" and rpc_extra_split({}) == "-"   # services without service_ms
     split = {**serial, "serial_service_extra_ms": 0.75, "serial_transport_ms": 2.25}
     assert rpc_extra_split(split) == "0.75 / 2.25"
+    assert rpc_extra_split({**split, "serial_request_transport_ms": 1.0,
+                            "serial_response_transport_ms": 1.25}) == "0.75 / 2.25 (1.00 + 1.25)"
     assert rpc_extra_split({**split, "critical_rpc_extra_ms": 2.0, "critical_service_extra_ms": 0.5,
                             "critical_transport_ms": 1.5}) == "0.50 / 1.50"
 

@@ -128,6 +128,7 @@ def run_grpc(services, tag: str, plane: int) -> list[list[tuple[list[int], int]]
         assert verify.data_plane_ms > 0 and verify.verify_ms > 0
         # each service's own wall time on the call covers its engine's compute and data plane
         assert verify.service_ms >= verify.verify_ms + verify.data_plane_ms and draft.service_ms >= draft.draft_ms > 0
+        assert verify.service_start_s > draft.service_start_s > 0   # the handlers' starts, in call order
         for rid, out in zip(ids, verify.outputs):
             known[rid] = len(committed[rid])
             committed[rid] += list(out.token_ids)

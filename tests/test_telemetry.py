@@ -211,6 +211,10 @@ def test_step_log_phases_carry_each_services_own_time_on_the_call(traced_run):
         phases = [phase for line in f for phase in json.loads(line)["phases"]]
     assert {p["engine"] for p in phases} == {"drafter", "verifier"}
     assert all(p["compute_ms"] <= p["service_ms"] <= p["rpc_ms"] for p in phases)
+    # the handler starts after the RPC is sent and ends before its answer arrives (one clock; the
+    # send time is the receipt's minus rpc_ms, so allow a few hundred microseconds either way)
+    assert all(p["start_s"] <= p["sent_s"] <= p["service_start_s"] + 3e-4 for p in phases)
+    assert all(p["service_start_s"] + p["service_ms"] / 1e3 <= p["sent_s"] + p["rpc_ms"] / 1e3 + 3e-4 for p in phases)
 
 
 def test_timeline_renders_step_log_and_otlp_export(traced_run, tmp_path):

@@ -96,15 +96,15 @@ class VerifierServicer(engine_pb2_grpc.VerifierServicer):
 
     async def Verify(self, request, context):
         """``VerifierEngine.verify`` in the engine thread; the response's ``service_ms`` is this
-        handler's wall time on the call."""
-        start = time.perf_counter()
+        handler's wall time on the call, ``service_start_s`` its start (Unix s)."""
+        start_s, start = time.time(), time.perf_counter()
         await self._check_ready(context)
         plane = await self._plane_of(request, context)
         try:
             response = await self.executor.run(self.engine.verify, request, plane)
         except Exception as exc:
             await abort_with(context, exc)
-        response.service_ms = elapsed_ms(start)
+        response.service_ms, response.service_start_s = elapsed_ms(start), start_s
         return response
 
     async def VerifyStream(self, request, context):
@@ -112,8 +112,9 @@ class VerifierServicer(engine_pb2_grpc.VerifierServicer):
         hands on its outputs every ``request.stream_interval`` steps (``verifier_svc.streaming``),
         what it handed on since the last message goes out as one partial message (rows merged),
         and the call's whole ``VerifyResponse`` comes last (with the steps no partial carried, and
-        ``service_ms``: this handler's wall time up to it). Errors as ``Verify``'s."""
-        start = time.perf_counter()
+        ``service_ms``: this handler's wall time up to it, ``service_start_s``: its start). Errors
+        as ``Verify``'s."""
+        start_s, start = time.time(), time.perf_counter()
         await self._check_ready(context)
         plane = await self._plane_of(request, context)
         loop = asyncio.get_running_loop()
@@ -135,7 +136,7 @@ class VerifierServicer(engine_pb2_grpc.VerifierServicer):
             response = call.result()
         except Exception as exc:
             await abort_with(context, exc)
-        response.service_ms = elapsed_ms(start)
+        response.service_ms, response.service_start_s = elapsed_ms(start), start_s
         yield response
 
     async def ReleaseRequests(self, request, context):

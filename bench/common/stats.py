@@ -135,7 +135,11 @@ def critical_call_overhead(steps: list[dict], prefix: str = "critical") -> dict:
     step's end: the coordinator's work after it). When every such call's service reported its
     own wall time (``service_ms`` > 0), ``rpc_extra`` splits into ``<prefix>_service_extra_ms``
     (the service's time beyond the engine's compute: validation, thread hops, data plane) and
-    ``<prefix>_transport_ms`` (the rest: gRPC both ways and the coordinator's client).
+    ``<prefix>_transport_ms`` (the rest: gRPC both ways and the coordinator's client); when the
+    phases also have the RPC's send time and the handler's start (``sent_s``,
+    ``service_start_s``: one host, one clock), the transport splits into
+    ``<prefix>_request_transport_ms`` (send to the handler's start) and
+    ``<prefix>_response_transport_ms`` (the handler's end to the coordinator's receipt).
     ``step_split`` reports them as ``critical_*`` over psd's parallel steps and ``serial_*`` over
     the others (e.g. ``ar``'s, one Verify call each). Empty when no step has phases."""
     parts = []
@@ -146,16 +150,19 @@ def critical_call_overhead(steps: list[dict], prefix: str = "critical") -> dict:
         last = max(phases, key=lambda p: p["start_s"] + p["rpc_ms"] / 1e3)
         lead_ms = (last["start_s"] - step["start_s"]) * 1e3
         service_ms = float(last.get("service_ms") or 0.0)
+        sent_s, service_start_s = float(last.get("sent_s") or 0.0), float(last.get("service_start_s") or 0.0)
+        request_ms = (service_start_s - sent_s) * 1e3
         parts.append((lead_ms, last["rpc_ms"] - last["compute_ms"], step["wall_ms"] - lead_ms - last["rpc_ms"],
-                      service_ms - last["compute_ms"], last["rpc_ms"] - service_ms, service_ms > 0))
+                      service_ms - last["compute_ms"], last["rpc_ms"] - service_ms,
+                      request_ms, last["rpc_ms"] - service_ms - request_ms,
+                      service_ms > 0, sent_s > 0 and service_start_s > 0))
     if not parts:
         return {}
-    names = (f"{prefix}_lead_ms", f"{prefix}_rpc_extra_ms", f"{prefix}_tail_ms")
-    out = {name: sum(p[i] for p in parts) / len(parts) for i, name in enumerate(names)}
-    if all(p[5] for p in parts):
-        out[f"{prefix}_service_extra_ms"] = sum(p[3] for p in parts) / len(parts)
-        out[f"{prefix}_transport_ms"] = sum(p[4] for p in parts) / len(parts)
-    return out
+    names = (f"{prefix}_lead_ms", f"{prefix}_rpc_extra_ms", f"{prefix}_tail_ms", f"{prefix}_service_extra_ms",
+             f"{prefix}_transport_ms", f"{prefix}_request_transport_ms", f"{prefix}_response_transport_ms")
+    has_service = all(p[7] for p in parts)
+    reported = 3 + 2 * has_service + 2 * (has_service and all(p[8] for p in parts))
+    return {name: sum(p[i] for p in parts) / len(parts) for i, name in enumerate(names[:reported])}
 
 
 def ratio(numerator: float, denominator: float) -> float:

@@ -92,12 +92,16 @@ def around_the_call(split: dict) -> float | None:
 
 def rpc_extra_split(split: dict) -> str:
     """``service / transport`` ms of the RPC beyond compute in ``around_the_call`` (the engine
-    service's own time, then gRPC and the coordinator's client), same steps; "-" when the
-    services did not report their time (``service_ms``)."""
+    service's own time, then gRPC and the coordinator's client), same steps, and the transport's
+    ``(request + response)`` parts where the phases have them; "-" when the services did not
+    report their time (``service_ms``)."""
     for prefix in ("critical", "serial"):
         if f"{prefix}_rpc_extra_ms" in split:
             parts = [split.get(f"{prefix}_{name}_ms") for name in ("service_extra", "transport")]
-            return "-" if None in parts else f"{parts[0]:.2f} / {parts[1]:.2f}"
+            if None in parts:
+                return "-"
+            ways = [split.get(f"{prefix}_{name}_transport_ms") for name in ("request", "response")]
+            return f"{parts[0]:.2f} / {parts[1]:.2f}" + ("" if None in ways else f" ({ways[0]:.2f} + {ways[1]:.2f})")
     return "-"
 
 
@@ -122,7 +126,7 @@ def markdown(results: dict, cfg) -> str:
     lines += ["", "TTFT p50 / latency p50 (ms), mean acceptance length, step split (ms: draft / verify / wall; "
               "around the call: the coordinator and gRPC around the step's last-ending engine call, "
               "lead + RPC beyond its compute + tail, psd's parallel steps else the others; its RPC part "
-              "split into the service's own time / gRPC transport and client):", "",
+              "split into the service's own time / gRPC transport and client (request + response)):", "",
               "| system | c | TTFT p50 | latency p50 | accept len | draft | verify | step wall | around the call "
               "| RPC: service / transport | failed requests |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]

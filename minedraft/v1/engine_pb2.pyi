@@ -126,7 +126,7 @@ class DraftRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[DraftSeq, _Mapping]]] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("step_id", "draft_token_ids", "draft_probs", "has_draft_probs", "draft_ms", "data_plane_ms", "num_draft_tokens", "service_ms")
+    __slots__ = ("step_id", "draft_token_ids", "draft_probs", "has_draft_probs", "draft_ms", "data_plane_ms", "num_draft_tokens", "service_ms", "service_start_s")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class DraftResponse(_message.Message):
     DATA_PLANE_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SERVICE_MS_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_START_S_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     draft_token_ids: _common_pb2.Tensor
     draft_probs: _common_pb2.Tensor
@@ -143,7 +144,8 @@ class DraftResponse(_message.Message):
     data_plane_ms: float
     num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     service_ms: float
-    def __init__(self, step_id: _Optional[int] = ..., draft_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., has_draft_probs: _Optional[bool] = ..., draft_ms: _Optional[float] = ..., data_plane_ms: _Optional[float] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., service_ms: _Optional[float] = ...) -> None: ...
+    service_start_s: float
+    def __init__(self, step_id: _Optional[int] = ..., draft_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., has_draft_probs: _Optional[bool] = ..., draft_ms: _Optional[float] = ..., data_plane_ms: _Optional[float] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., service_ms: _Optional[float] = ..., service_start_s: _Optional[float] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("step_id", "request_ids", "draft_token_ids", "draft_probs", "has_draft_probs", "data_plane", "draft_step_id", "num_draft_tokens", "num_decode_steps", "stream_interval", "max_decode_steps")
@@ -172,17 +174,19 @@ class VerifyRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., draft_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., has_draft_probs: _Optional[bool] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ..., draft_step_id: _Optional[int] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., num_decode_steps: _Optional[int] = ..., stream_interval: _Optional[int] = ..., max_decode_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("step_id", "outputs", "verify_ms", "data_plane_ms", "is_partial", "service_ms")
+    __slots__ = ("step_id", "outputs", "verify_ms", "data_plane_ms", "is_partial", "service_ms", "service_start_s")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_MS_FIELD_NUMBER: _ClassVar[int]
     IS_PARTIAL_FIELD_NUMBER: _ClassVar[int]
     SERVICE_MS_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_START_S_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     outputs: _containers.RepeatedCompositeFieldContainer[SeqOutput]
     verify_ms: float
     data_plane_ms: float
     is_partial: bool
     service_ms: float
-    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[SeqOutput, _Mapping]]] = ..., verify_ms: _Optional[float] = ..., data_plane_ms: _Optional[float] = ..., is_partial: _Optional[bool] = ..., service_ms: _Optional[float] = ...) -> None: ...
+    service_start_s: float
+    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[SeqOutput, _Mapping]]] = ..., verify_ms: _Optional[float] = ..., data_plane_ms: _Optional[float] = ..., is_partial: _Optional[bool] = ..., service_ms: _Optional[float] = ..., service_start_s: _Optional[float] = ...) -> None: ...
