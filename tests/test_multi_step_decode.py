@@ -130,31 +130,31 @@ def test_coordinator_multi_step_output_equals_reference(mode: str, stream: bool)
 
 
 async def _stream(h, rid: str, prompt: list[int], max_tokens: int, started: asyncio.Event | None = None,
-                  events: list | None = None) -> list[int]:
-    """One Generate stream through the harness: its tokens; each chunk sets ``started`` and adds
-    (request id, tokens so far) to ``events``."""
+                  on_chunk=None) -> list[int]:
+    """One Generate stream through the harness: its tokens; each chunk sets ``started`` and calls
+    ``on_chunk(request id, the chunk's token count, tokens so far)``."""
     call = h.stub.Generate(coordinator_pb2.CoordinatorGenerateRequest(
         request_id=rid, prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens)))
     tokens: list[int] = []
     async for response in call:
         if response.WhichOneof("response") == "chunk":
             tokens += response.chunk.token_ids
-            if events is not None:
-                events.append((rid, len(tokens)))
+            if on_chunk is not None:
+                on_chunk(rid, len(response.chunk.token_ids), len(tokens))
             if started is not None:
                 started.set()
     return tokens
 
 
 @contextlib.asynccontextmanager
-async def _call_running(joins_decode: bool, delay_s: float, events: list | None = None):
+async def _call_running(joins_decode: bool, delay_s: float, on_chunk=None):
     """A harness (``ar``, unstreamed 8-step calls of ``delay_s``) whose request "a" has its first
     token and whose first Verify call runs: yields (harness, a's stream task)."""
     async with Harness(mode="ar", max_num_seqs=4, num_decode_steps=8, delay_s=delay_s,
                        stream_decode_steps=False) as h:
         h.verifier.joins_decode = joins_decode
         first = asyncio.Event()
-        a = asyncio.ensure_future(_stream(h, "a", [5, 9, 17], 17, first, events))
+        a = asyncio.ensure_future(_stream(h, "a", [5, 9, 17], 17, first, on_chunk))
         await first.wait()
         yield h, a
 
@@ -169,10 +169,13 @@ def test_a_request_arriving_during_a_multi_step_call_is_admitted_at_once(joins_d
     their end; streamed ones: the next test.)"""
     events: list[tuple[str, int]] = []
 
+    def record(rid: str, num_new: int, num_tokens: int) -> None:
+        events.append((rid, num_tokens))
+
     async def run():
-        async with _call_running(joins_decode, 0.4, events) as (h, a):
+        async with _call_running(joins_decode, 0.4, record) as (h, a):
             await asyncio.sleep(0.05)
-            b = await _stream(h, "b", [7, 1, 30], 9, events=events)
+            b = await _stream(h, "b", [7, 1, 30], 9, on_chunk=record)
             return await a, b
 
     a, b = asyncio.run(run())
@@ -210,23 +213,17 @@ def test_a_request_finishing_inside_a_streamed_call_ends_before_the_call() -> No
     its tokens after the first at the call's end: only named rows stream.)"""
     import time
 
-    from minedraft.v1 import common_pb2
-
     first: dict[str, float] = {}
     ends: dict[str, float] = {}
     chunks: dict[str, list[int]] = {}
     long_started = asyncio.Event()
 
+    def record(rid: str, num_new: int, num_tokens: int) -> None:
+        chunks.setdefault(rid, []).append(num_new)
+        first.setdefault(rid, time.perf_counter())
+
     async def stream(h, rid: str, prompt: list[int], max_tokens: int):
-        call = h.stub.Generate(coordinator_pb2.CoordinatorGenerateRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens)))
-        tokens: list[int] = []
-        async for response in call:
-            if response.WhichOneof("response") == "chunk":
-                tokens += response.chunk.token_ids
-                chunks.setdefault(rid, []).append(len(response.chunk.token_ids))
-                first.setdefault(rid, time.perf_counter())
-                long_started.set()
+        tokens = await _stream(h, rid, prompt, max_tokens, long_started, record)
         ends[rid] = time.perf_counter()
         return tokens
 

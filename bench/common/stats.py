@@ -142,27 +142,28 @@ def critical_call_overhead(steps: list[dict], prefix: str = "critical") -> dict:
     ``<prefix>_response_transport_ms`` (the handler's end to the coordinator's receipt).
     ``step_split`` reports them as ``critical_*`` over psd's parallel steps and ``serial_*`` over
     the others (e.g. ``ar``'s, one Verify call each). Empty when no step has phases."""
-    parts = []
-    for step in steps:
-        phases = step.get("phases") or []
-        if not phases:
-            continue
-        last = max(phases, key=lambda p: p["start_s"] + p["rpc_ms"] / 1e3)
-        lead_ms = (last["start_s"] - step["start_s"]) * 1e3
-        service_ms = float(last.get("service_ms") or 0.0)
-        sent_s, service_start_s = float(last.get("sent_s") or 0.0), float(last.get("service_start_s") or 0.0)
-        request_ms = (service_start_s - sent_s) * 1e3
-        parts.append((lead_ms, last["rpc_ms"] - last["compute_ms"], step["wall_ms"] - lead_ms - last["rpc_ms"],
-                      service_ms - last["compute_ms"], last["rpc_ms"] - service_ms,
-                      request_ms, last["rpc_ms"] - service_ms - request_ms,
-                      service_ms > 0, sent_s > 0 and service_start_s > 0))
-    if not parts:
+    rows = [_call_parts(step) for step in steps if step.get("phases")]
+    if not rows:
         return {}
-    names = (f"{prefix}_lead_ms", f"{prefix}_rpc_extra_ms", f"{prefix}_tail_ms", f"{prefix}_service_extra_ms",
-             f"{prefix}_transport_ms", f"{prefix}_request_transport_ms", f"{prefix}_response_transport_ms")
-    has_service = all(p[7] for p in parts)
-    reported = 3 + 2 * has_service + 2 * (has_service and all(p[8] for p in parts))
-    return {name: sum(p[i] for p in parts) / len(parts) for i, name in enumerate(names[:reported])}
+    shared = [key for key in rows[0] if all(key in row for row in rows)]   # parts every call reported
+    return {f"{prefix}_{key}_ms": sum(row[key] for row in rows) / len(rows) for key in shared}
+
+
+def _call_parts(step: dict) -> dict:
+    """``critical_call_overhead``'s parts (ms) of one step's last-ending call, the service and
+    transport splits only where its phase has what they need."""
+    last = max(step["phases"], key=lambda p: p["start_s"] + p["rpc_ms"] / 1e3)
+    lead_ms = (last["start_s"] - step["start_s"]) * 1e3
+    parts = {"lead": lead_ms, "rpc_extra": last["rpc_ms"] - last["compute_ms"],
+             "tail": step["wall_ms"] - lead_ms - last["rpc_ms"]}
+    service_ms = float(last.get("service_ms") or 0.0)
+    if service_ms > 0:
+        parts.update(service_extra=service_ms - last["compute_ms"], transport=last["rpc_ms"] - service_ms)
+        sent_s, service_start_s = float(last.get("sent_s") or 0.0), float(last.get("service_start_s") or 0.0)
+        if sent_s > 0 and service_start_s > 0:
+            request_ms = (service_start_s - sent_s) * 1e3
+            parts.update(request_transport=request_ms, response_transport=parts["transport"] - request_ms)
+    return parts
 
 
 def ratio(numerator: float, denominator: float) -> float:

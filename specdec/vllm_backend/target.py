@@ -260,7 +260,7 @@ class VllmTargetWorker(JoiningCallsMixin):
                 final = ends.after_step(outputs, merged)
                 if on_engine_step is not None:
                     on_engine_step(outputs, final)
-                joined = self._resolve_joins(joined, merged) if joined else joined
+                joined = self._resolve_joins(joined, merged)
                 for rid in outputs:
                     if rid in left and ends.is_done(left[rid], merged[rid]):
                         del left[rid]
