@@ -85,6 +85,18 @@ def test_gguf_is_converted_once_into_the_cache(tmp_path, monkeypatch):
     assert os.listdir(os.path.dirname(first)) == [os.path.basename(first)]  # temp dir gone
 
 
+def test_gguf_cache_is_keyed_on_content_not_path(tmp_path, monkeypatch):
+    gguf, calls = fake_gguf(tmp_path, monkeypatch)
+    copy = tmp_path / "other-venv" / "fake-model.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(gguf, copy)
+    os.utime(copy, ns=(1, 1))  # another install: other path, other mtime, same bytes
+    first = resolve_model_dir(ModelConfig(model=gguf))
+    assert resolve_model_dir(ModelConfig(model=str(copy))) == first and len(calls) == 1
+    copy.write_bytes(b"GGUF-other")  # other content: its own conversion
+    assert resolve_model_dir(ModelConfig(model=str(copy))) != first and len(calls) == 2
+
+
 def test_gguf_conversion_race_uses_the_winners_dir(tmp_path, monkeypatch):
     gguf, _ = fake_gguf(tmp_path, monkeypatch)
     final = resolve_model_dir(ModelConfig(model=gguf))  # learn the cache dir name
