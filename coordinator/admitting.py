@@ -62,6 +62,8 @@ class Admitting:
         so a request whose first token is missing fails rather than skip them."""
         outputs, self.joined_outputs = self.joined_outputs, []
         for out in outputs:
+            if not out.token_ids:
+                continue  # the call's partial messages brought them all
             request = self.running.get(out.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished at its first token, or aborted meanwhile
@@ -93,11 +95,17 @@ class Admitting:
         # auto running ar adds newcomers to the drafter on their first draft (StepLoop._add_to_drafter)
         is_lazy = self.cfg.mode == Mode.AUTO and self.effective_mode == Mode.AR
         is_drafting = self.mode != Mode.AR and bool(drafted) and not is_lazy
+        self.early_tokens.start(r.request_id for r in new)
         calls = [self.engines.prefill_verifier(seqs)]
         if is_drafting:  # a prompt longer than the draft's window runs without speculation
             draft_seqs = [seq for seq, r in zip(seqs, new) if r in drafted]
             calls.append(self.engines.add_to_drafter(draft_seqs))
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        try:
+            results = await asyncio.gather(*calls, return_exceptions=True)
+        except BaseException:   # cancelled (shutdown): nothing more is held for them
+            for request in new:
+                self.early_tokens.take(request.request_id)
+            raise
         if is_drafting and isinstance(results[1], Exception):
             self._lose_drafter(results[1])
         elif is_drafting:  # a request the drafter refused runs undrafted (coordinator.fallback)
@@ -108,10 +116,11 @@ class Admitting:
         self._start_requests(new, results[0])
 
     def _start_requests(self, new: list[RequestState], outputs: dict[str, object]) -> None:
-        """Stream each first token (TTFT) and place the survivors in the Batch Manager."""
+        """Stream each first token (TTFT), then what a running call streamed of the request
+        meanwhile (``EarlyTokens``), and place the survivors in the Batch Manager."""
         alive = []
         for request in new:
-            out = outputs.get(request.request_id)
+            out, early = outputs.get(request.request_id), self.early_tokens.take(request.request_id)
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while prefilling; its release is queued
             if isinstance(out, grpc.aio.AioRpcError):
@@ -119,7 +128,9 @@ class Admitting:
             elif out is None or len(out.token_ids) != 1:
                 self._retire(request, None, error=(grpc.StatusCode.INTERNAL, "verifier returned "
                                                    f"{0 if out is None else len(out.token_ids)} first tokens, not 1"))
-            elif self._commit(request, list(out.token_ids), list(out.logprobs), 0, 0, list(out.top_logprobs)):
+            elif self._commit(request, list(out.token_ids), list(out.logprobs), 0, 0, list(out.top_logprobs)) and all(
+                    self._commit(request, list(o.token_ids), list(o.logprobs), 0, 0, list(o.top_logprobs))
+                    for o in early):
                 alive.append(request.request_id)
         if self.cfg.uses_batches:
             self.balancer.assign(self.batches, alive, self._cost_of, self.cfg.max_num_seqs)

@@ -218,6 +218,7 @@ class EngineClients:
         start = time.perf_counter()
         if on_partial is not None and request.num_decode_steps > 1:
             request.stream_interval = stream_interval
+            request.stream_joined = True
             response = await self._verify_streamed(request, on_partial)
         else:
             response = await self.verifier.Verify(request, timeout=self.timeout)

@@ -23,7 +23,7 @@ from coordinator.emitted import Block
 from coordinator.finish import apply_finish
 from coordinator.request import RequestState, RequestStatus
 from coordinator.stats import StepTimes
-from coordinator.streamed import StreamedTokens
+from coordinator.streamed import StreamedTokens, after_streamed
 from coordinator.tracing import Phase
 
 
@@ -39,16 +39,21 @@ class Committed:
 class Postprocess:
     """Commit a step's Verify results (``Scheduler`` provides the state it uses)."""
 
-    def _commit_partial(self, response: engine_pb2.VerifyResponse, streamed: StreamedTokens) -> None:
-        """Commit (and stream) the new tokens of a partial message of a streamed multi-step call."""
+    def _commit_partial(self, response: engine_pb2.VerifyResponse, streamed: StreamedTokens, named: set[str]) -> None:
+        """Commit (and stream) the new tokens of a partial message of a streamed multi-step call;
+        a joined request's (not in ``named``) wait for its first token (``EarlyTokens``) and
+        count, as its whole-call tokens do, in no step's emitted tokens."""
         for out in response.outputs:
             streamed.add(out.request_id, len(out.token_ids))
             request = self.running.get(out.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished earlier in the call, or aborted
+            if out.request_id not in named and self.early_tokens.hold(out):
+                continue
             before = len(request.output_token_ids)
             self._commit(request, list(out.token_ids), list(out.logprobs), 0, 0, list(out.top_logprobs))
-            streamed.num_emitted += len(request.output_token_ids) - before
+            if out.request_id in named:
+                streamed.num_emitted += len(request.output_token_ids) - before
 
     def _commit_group(self, reqs, drafts, response: engine_pb2.VerifyResponse, verify_rpc_ms: float,
                       times: StepTimes, verify_start_s: float, verify_batch: int, streamed: StreamedTokens,
@@ -63,7 +68,7 @@ class Postprocess:
         committed.num_spec_tokens += group_ks if drafts else []
         # requests admitted while the call ran, which decoded in it (vLLM engine): committed
         # once their admission has committed their first token (Scheduler._step_admitting)
-        self.joined_outputs += [out for out in response.outputs if out.request_id not in named]
+        self.joined_outputs += [after_streamed(out, streamed) for out in response.outputs if out.request_id not in named]
 
     def _account_verify(self, reqs, drafts, response: engine_pb2.VerifyResponse, rpc_ms: float,
                         times: StepTimes, start_s: float, batch: int) -> None:

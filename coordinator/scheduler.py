@@ -36,6 +36,7 @@ from coordinator.finish import FinishReason
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.request import RequestState
 from coordinator.stats import StepTotals
+from coordinator.streamed import EarlyTokens
 from coordinator.admitting import Admitting
 from coordinator.stepping import StepLoop
 from coordinator.tracing import StepLog
@@ -88,6 +89,7 @@ class Scheduler(Admitting, StepLoop):
         self.last_auto_decision: AutoDecision | None = None
         self._is_head_held = False
         self.joined_outputs: list[engine_pb2.SeqOutput] = []  # tokens of requests that joined a Verify call
+        self.early_tokens = EarlyTokens()  # their streamed tokens that came before their first
         self.draft_first = True   # psd: send the Draft call before the Verify calls (it took longer last time)
 
     # ------------------------------------------------------------------ public API

@@ -92,7 +92,7 @@ class StepLoop(Postprocess):
         verify_start_s, streamed, committed = time.time(), StreamedTokens(), Committed()
         named = {r.request_id for reqs, _ in groups for r in reqs}
         num_steps = [self._num_decode_steps(reqs) if mode == Mode.AR else 1 for reqs, _ in groups]
-        on_partial = (lambda response: self._commit_partial(response, streamed)) if self.cfg.stream_decode_steps else None
+        on_partial = (lambda response: self._commit_partial(response, streamed, named)) if self.cfg.stream_decode_steps else None
 
         async def verify_and_commit(reqs, drafts, n):
             response, rpc_ms = await self.engines.verify(self.step_id, [r.request_id for r in reqs], drafts,

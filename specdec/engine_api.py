@@ -84,7 +84,9 @@ class TargetEngine(Protocol):
         no caps), samples one of its stop tokens (``SamplingParams.stop_token_set``; it stops
         after that step) or reaches the context window. ``on_step``: called in the engine thread
         after each step with the ``StepOutput``s of the rows that got tokens in it (their new
-        tokens only; ``is_final`` on the last of a row that stops before the call's last step)."""
+        tokens only; ``is_final`` on the last of a row that stops before the call's last step),
+        the named rows first, then any that joined the call (vLLM engine; their tokens after the
+        first, which their join returned)."""
 
     def release(self, request_id: str) -> None: ...
 

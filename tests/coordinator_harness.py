@@ -72,6 +72,8 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
         # as the vLLM verifier: requests added while a multi-step call runs decode in it too
         self.joins_decode, self._joined_ids = False, None
         self.add_delay_s, self.adds_in_flight, self.max_adds_in_flight = 0.0, 0, 0   # AddRequests' prefill time
+        self.streams_joined = True  # False: an older verifier, which ignores VerifyRequest.stream_joined
+        self.answer_delay_s = 0.0   # AddRequests' answer comes this long after the join (its first token) was taken
 
     async def AddRequests(self, request, context):
         if any(BAD_TOKEN in seq.prompt_token_ids for seq in request.seqs):  # all or nothing, like the real one
@@ -91,6 +93,8 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
             if self._joined_ids is not None:
                 self._joined_ids.append(seq.request_id)
         self.max_slots_used = max(self.max_slots_used, len(self.committed))
+        if self.answer_delay_s:   # the call decodes the joins meanwhile: its partials may come first
+            await asyncio.sleep(self.answer_delay_s)
         return engine_pb2.AddRequestsResponse(outputs=outputs)
 
     async def Verify(self, request, context):
@@ -137,7 +141,9 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
     async def VerifyStream(self, request, context):
         """``Verify``; a multi-step call streams each step's tokens (one partial message per
         step, ``delay_s`` spread over the steps; a row stops at its ``max_decode_steps`` cap),
-        then the whole call (``call_ends_s``: when)."""
+        then the whole call (``call_ends_s``: when). ``joins_decode``: a request added during
+        the call decodes a token in each of its steps after the one that took it (its first
+        token went with the add); with ``stream_joined`` the partials carry those too."""
         if request.num_decode_steps <= 1:
             yield await self.Verify(request, context)
             return
@@ -149,17 +155,31 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
         self.stream_intervals_seen.append(request.stream_interval)
         self.max_decode_steps_seen.append((list(request.request_ids), list(request.max_decode_steps)))
         rows: dict[str, list[int]] = {rid: [] for rid in request.request_ids}
+        joined: dict[str, list[int]] = {}
         caps = dict(zip(request.request_ids, _caps(request)))
         for _ in range(request.num_decode_steps):
             await asyncio.sleep(self.delay_s / request.num_decode_steps)
             running = [rid for rid, out in rows.items() if len(out) < caps[rid]]
             for request_id in running:
                 rows[request_id].append(toy_next(self.committed[request_id] + rows[request_id]))
-            yield engine_pb2.VerifyResponse(step_id=request.step_id, is_partial=True, outputs=[
-                engine_pb2.SeqOutput(request_id=rid, token_ids=rows[rid][-1:], logprobs=[-0.25]) for rid in running])
-        joined, self._joined_ids = self._joined_ids or [], None
-        whole = self._decode(request, joined)
-        assert [list(out.token_ids) for out in whole.outputs[: len(rows)]] == list(rows.values())
+            decoding = [rid for rid in joined if rid in self.committed]
+            for request_id in decoding:
+                joined[request_id].append(toy_next(self.committed[request_id] + joined[request_id]))
+            for request_id in self._joined_ids or ():   # taken in this step: they decode from the next
+                joined.setdefault(request_id, [])
+            outputs = [engine_pb2.SeqOutput(request_id=rid, token_ids=rows[rid][-1:], logprobs=[-0.25]) for rid in running]
+            if request.stream_joined and self.streams_joined:
+                outputs += [engine_pb2.SeqOutput(request_id=rid, token_ids=joined[rid][-1:], logprobs=[-0.25])
+                            for rid in decoding]
+            yield engine_pb2.VerifyResponse(step_id=request.step_id, is_partial=True, outputs=outputs)
+        self._joined_ids = None
+        whole = self._decode(request)
+        assert [list(out.token_ids) for out in whole.outputs] == list(rows.values())
+        for request_id, out in joined.items():
+            if request_id in self.committed and out:
+                self.committed[request_id] += out
+                whole.outputs.append(engine_pb2.SeqOutput(request_id=request_id, token_ids=out,
+                                                          logprobs=[-0.25] * len(out)))
         self.call_ends_s.append(time.perf_counter())
         yield whole
 

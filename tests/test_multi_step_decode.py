@@ -209,17 +209,20 @@ def test_a_request_finishing_inside_a_streamed_call_ends_before_the_call() -> No
     """Streamed multi-step calls (``stream_decode_steps``, the default): each step's token
     reaches the stream as the verifier decodes it, so a request whose ``max_tokens`` falls inside
     a call finishes before that call ends, and a closed-loop client's next request is admitted
-    inside the same call; every output stays the reference. (A request that joined a call gets
-    its tokens after the first at the call's end: only named rows stream.)"""
+    inside the same call; every output stays the reference. A request that joined a call
+    streams its tokens after the first as the call decodes them too (``stream_joined``), not at
+    the call's end."""
     import time
 
     first: dict[str, float] = {}
     ends: dict[str, float] = {}
     chunks: dict[str, list[int]] = {}
+    chunk_times: dict[str, list[float]] = {}
     long_started = asyncio.Event()
 
     def record(rid: str, num_new: int, num_tokens: int) -> None:
         chunks.setdefault(rid, []).append(num_new)
+        chunk_times.setdefault(rid, []).append(time.perf_counter())
         first.setdefault(rid, time.perf_counter())
 
     async def stream(h, rid: str, prompt: list[int], max_tokens: int):
@@ -243,9 +246,41 @@ def test_a_request_finishing_inside_a_streamed_call_ends_before_the_call() -> No
     assert long == _expected([5, 9, 17], {"max_tokens": 17})
     assert short == _expected([7, 1, 30], {"max_tokens": 12}) and after == _expected([4, 4, 9], {"max_tokens": 4})
     assert chunks["long"] == [1] + [1] * 16, chunks       # named in both calls: a chunk per step
-    assert chunks["short"] == [1, 7, 1, 1, 1, 1], chunks  # joined call 1 (its 7 at its end), named in call 2
+    assert chunks["short"] == [1] * 12, chunks             # joined call 1, named in call 2: a chunk per step
+    in_call_1 = [t for t in chunk_times["short"] if t < call_ends[0]]
+    assert len(in_call_1) >= 4, (chunk_times["short"], call_ends)   # its first token, then 3+ of call 1's steps
     assert len(call_ends) == 2 and ends["short"] < call_ends[1], (ends, call_ends)  # after 4 of call 2's 8 steps
     assert first["next"] < call_ends[1], (first, call_ends)  # admitted inside call 2
+
+
+@pytest.mark.parametrize("stream_joined", [True, False], ids=["joined-streamed", "old-verifier"])
+def test_a_joined_requests_streamed_tokens_wait_for_its_first_token(stream_joined: bool) -> None:
+    """The partial messages of the call a newcomer joined carry its tokens after the first while
+    its AddRequests answer (the first token) is still on its way: the coordinator holds them
+    until that answer has been committed, so the stream is the reference in order. A verifier
+    that streams named rows only (``stream_joined`` ignored) gives the same output."""
+    events: list[tuple[str, int]] = []
+
+    def record(rid: str, num_new: int, num_tokens: int) -> None:
+        events.append((rid, num_tokens))
+
+    async def run():
+        async with Harness(mode="ar", max_num_seqs=4, num_decode_steps=8, delay_s=0.8, stream_interval=1) as h:
+            h.verifier.joins_decode, h.verifier.streams_joined = True, stream_joined
+            started = asyncio.Event()
+            a = asyncio.ensure_future(_stream(h, "a", [5, 9, 17], 17, started, record))
+            await started.wait()
+            h.verifier.answer_delay_s = 0.35   # ~3 of the call's 0.1 s steps pass before b's first token comes
+            b = await _stream(h, "b", [7, 1, 30], 9, on_chunk=record)
+            return await a, b
+
+    a, b = asyncio.run(run())
+    assert a == _expected([5, 9, 17], {"max_tokens": 17}) and b == _expected([7, 1, 30], {"max_tokens": 9})
+    b_counts = [n for rid, n in events if rid == "b"]
+    assert b_counts[0] == 1 and b_counts[-1] == 9, events
+    if stream_joined:   # what was held came right after the first token, one chunk each
+        first_of_b = events.index(("b", 1))
+        assert events[first_of_b + 1: first_of_b + 3] == [("b", 2), ("b", 3)], events
 
 
 def _stream_and_unary(tiny_llama, num_steps: int, stream_interval: int = 0):

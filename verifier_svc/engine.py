@@ -126,7 +126,8 @@ class VerifierEngine:
 
         ``on_step``: for a multi-step call (``num_decode_steps`` > 1), called in this thread
         every ``request.stream_interval`` decode steps (0: every step) with one ``SeqOutput`` per
-        named row that decoded since the last call: its new tokens (``StepCoalescer``).
+        named row that decoded since the last call, and with ``request.stream_joined`` per
+        request that joined the call: its new tokens (``StepCoalescer``).
 
         Raises: KeyError (unknown id), ValueError / TensorDecodeError (shapes),
         DraftProbsMissingError / DataPlaneUnavailableError (dist plane), CapacityError.
@@ -211,7 +212,8 @@ class VerifierEngine:
         draft_ids = self._draft_token_ids(command, len(ids))
         ks = _row_ks(command, len(ids), draft_ids.shape[1])
         if command.num_decode_steps > 1:
-            hook = None if on_step is None else StepCoalescer(on_step, command.stream_interval, command.num_decode_steps)
+            hook = None if on_step is None else StepCoalescer(on_step, command.stream_interval, command.num_decode_steps,
+                                                              None if command.stream_joined else frozenset(ids))
             return [to_seq_output(step) for step in self.worker.decode(ids, command.num_decode_steps, hook,
                                                                          list(command.max_decode_steps) or None)]
         steps = self.worker.verify(ids, [row[:k_i] for row, k_i in zip(draft_ids.tolist(), ks)], probs)

@@ -34,17 +34,23 @@ class StepCoalescer:
         interval: engine steps per ``emit`` (>= 1; 0 counts as 1, as the proto's default).
         num_steps: the call's decode steps (``VerifyRequest.num_decode_steps``; 0: not known,
             every interval emits).
+        only: None, or the request ids to stream (the call's named rows, without
+            ``VerifyRequest.stream_joined``); other rows' steps are dropped.
     """
 
-    def __init__(self, emit: Callable[[list[engine_pb2.SeqOutput]], None], interval: int, num_steps: int = 0) -> None:
+    def __init__(self, emit: Callable[[list[engine_pb2.SeqOutput]], None], interval: int, num_steps: int = 0,
+                 only: frozenset[str] | None = None) -> None:
         self.emit = emit
         self.interval = max(int(interval), 1)
         self.num_steps = int(num_steps)
+        self.only = only
         self._rows: dict[str, StepOutput] = {}
         self._since_emit = 0     # steps merged since the last emit
         self._num_seen = 0       # steps of the call so far
 
     def __call__(self, steps: list[StepOutput]) -> None:
+        if self.only is not None:
+            steps = [step for step in steps if step.request_id in self.only]
         for step in steps:
             row = self._rows.get(step.request_id)
             if row is None:

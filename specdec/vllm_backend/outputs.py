@@ -156,13 +156,33 @@ def _weight_bytes(model_dir: str, dtype_bytes: int) -> int:
         return 0
 
 
-def streamer(named: list[tuple[str, int]], on_step):
+def streamer(named: list[tuple[str, int]], on_step, num_top_of):
     """``VllmTargetWorker._run``'s per-engine-step hook for a streamed call: {request id: one
-    step's ``CoreOutput``} and the ids whose part ended in it -> ``on_step`` with the named rows'
-    ``StepOutput``s (``named``: (request id, top logprobs asked) per named row, in order)."""
+    step's ``CoreOutput``} and the ids whose part ended in it -> ``on_step`` with the rows'
+    ``StepOutput``s: the named rows' (``named``: (request id, top logprobs asked) per named row,
+    in order), then those of requests that joined the call, without a joined request's first
+    token (its join's answer, ``JoiningCallsMixin``), so that what streams of a joined row is
+    what the call's response returns of it (``StepDelta.after_first``). ``num_top_of``: request
+    id -> top logprobs asked (-1: none), or None for an id the worker does not hold."""
+    named_ids = {rid for rid, _ in named}
+    first_seen: set[str] = set()   # joined rows whose first token went by
+
     def hook(outputs: dict, final: set[str]) -> None:
         steps = [step_output(rid, outputs[rid], 0, num_top) for rid, num_top in named
                  if rid in outputs and outputs[rid].token_ids]
+        for rid, output in outputs.items():
+            if rid in named_ids or not output.token_ids:
+                continue
+            num_top = num_top_of(rid)
+            if num_top is None:
+                continue
+            if rid not in first_seen:
+                first_seen.add(rid)
+                output = CoreOutput(output.token_ids[1:], None if output.logprobs is None else output.logprobs[1:],
+                                    output.finish_reason)
+                if not output.token_ids:
+                    continue
+            steps.append(step_output(rid, output, 0, num_top))
         for out in steps:
             out.is_final = out.request_id in final
         if steps:

@@ -191,7 +191,7 @@ class VllmTargetWorker(JoiningCallsMixin):
                        {s.vllm_id: list(row) for s, row in zip(states, draft_token_ids) if row}, num_steps,
                        {s.vllm_id: cap for s, cap in zip(states, caps) if cap < num_steps})
         outputs = self._run(step, None if on_step is None else streamer(
-            [(rid, self._requests[rid].params.logprobs) for rid in request_ids], on_step))
+            [(rid, self._requests[rid].params.logprobs) for rid in request_ids], on_step, self._num_top_of))
         missing = [rid for rid in request_ids if rid not in outputs]
         if missing:
             raise RuntimeError(f"vLLM did not run {missing} in this step")
@@ -201,6 +201,10 @@ class VllmTargetWorker(JoiningCallsMixin):
                   if rid not in named and rid in self._requests and len(delta.token_ids) > 1]
         return [step_output(rid, outputs[rid], len(row), s.params.logprobs)
                 for rid, s, row in zip(request_ids, states, draft_token_ids)] + joined
+
+    def _num_top_of(self, request_id: str) -> int | None:
+        state = self._requests.get(request_id)
+        return None if state is None else state.params.logprobs
 
     def decode(self, request_ids: list[str], num_steps: int, on_step=None, max_steps: list[int] | None = None):
         """``num_steps`` plain decode steps over ``request_ids`` in one call (multi-step decoding:
@@ -214,8 +218,9 @@ class VllmTargetWorker(JoiningCallsMixin):
                 ``max_model_len``; the other rows go on.
             on_step: None, or called in this thread after each engine step, before the next is
                 scheduled, with the ``StepOutput``s (``num_accepted`` 0) of the named rows that got
-                tokens in it: their new tokens only, ``is_final`` on the last of a row that stops
-                before the call's last step (streamed multi-step decoding).
+                tokens in it, then of the joined rows (their tokens after the first, which their
+                join returned): their new tokens only, ``is_final`` on the last of a row that
+                stops before the call's last step (streamed multi-step decoding).
             max_steps: None, or per row the most steps it runs (>= 1; the tokens it has left
                 before ``max_tokens``).
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import _build_tiny_llama
-from minedraft.v1 import engine_pb2
+from minedraft.v1 import common_pb2, engine_pb2
 from specdec.sample.sampling import SamplingParams
 from specdec.vllm_backend.engine import VllmEngineConfig
 from specdec.vllm_backend.scheduler import PsdStep
@@ -87,6 +87,35 @@ def test_a_join_is_prefilled_inside_the_call_and_decodes_after_it(worker, model)
         n = 1 + len(in_call)
         assert worker.decode(["new"], 5)[0].token_ids == refs["new"][n:n + 5]
         assert worker.decode(list(rows), 2)[0].token_ids == refs["x"][9:11]
+    finally:
+        for rid in [*rows, "new"]:
+            if rid in worker.request_ids:
+                worker.release(rid)
+
+
+def test_a_streamed_call_hands_on_its_joined_rows_tokens_after_the_first(worker, model) -> None:
+    """``on_step`` sees the joined request's tokens too, after its first (which its join
+    answered), in the steps that decode them: per request, what the steps handed on is what the
+    call returns; and a verifier engine that was not asked to (``stream_joined`` false) streams
+    the named rows only."""
+    rows = {"x": _prompt(21, 12)}
+    newcomer = _prompt(22, 15)
+    refs = {rid: _hf_greedy(model[1], p, 10) for rid, p in {**rows, "new": newcomer}.items()}
+    worker.add_requests([(r, p, GREEDY) for r, p in rows.items()])
+    streamed: dict[str, list[int]] = {}
+    joined = []
+
+    def on_step(steps) -> None:
+        for s in steps:
+            streamed.setdefault(s.request_id, []).extend(s.token_ids)
+
+    try:
+        with _StepHook(worker, 3, lambda: joined.append(worker.join_running_call([("new", newcomer, GREEDY)]))):
+            steps = worker.decode(list(rows), 8, on_step)
+        returned = {s.request_id: s.token_ids for s in steps}
+        assert joined[0].result(timeout=0)[0].token_ids == refs["new"][:1]
+        assert len(returned["new"]) >= 2 and streamed == returned, (streamed, returned)
+        assert returned["new"] == refs["new"][1:1 + len(returned["new"])]
     finally:
         for rid in [*rows, "new"]:
             if rid in worker.request_ids:
@@ -215,6 +244,33 @@ def test_the_verifier_engine_answers_a_join_as_add_requests(worker, model) -> No
         assert "j" in engine.request_ids                        # known before the response is seen
         with pytest.raises(ValueError, match="already active"):
             engine.join_call(add)
+    finally:
+        engine.release(engine_pb2.ReleaseRequest(request_ids=["x", "j"]))
+
+
+@pytest.mark.parametrize("stream_joined", [True, False])
+def test_the_verifier_engine_streams_joined_rows_only_when_asked(worker, stream_joined: bool) -> None:
+    engine = VerifierEngine(worker, seed=0)
+    engine.add(engine_pb2.AddRequestsRequest(seqs=[engine_pb2.SeqInit(request_id="x", prompt_token_ids=_prompt(11, 6))]))
+    sampling = common_pb2.SamplingParams(max_tokens=16, ignore_eos=True)
+    add = engine_pb2.AddRequestsRequest(seqs=[engine_pb2.SeqInit(request_id="j", prompt_token_ids=_prompt(12, 8),
+                                                                 sampling=sampling)])
+    emitted: dict[str, int] = {}
+
+    def on_step(outputs) -> None:
+        for out in outputs:
+            emitted[out.request_id] = emitted.get(out.request_id, 0) + len(out.token_ids)
+
+    try:
+        with _StepHook(worker, 2, lambda: engine.join_call(add)):
+            response = engine.verify(engine_pb2.VerifyRequest(request_ids=["x"], num_decode_steps=6, stream_interval=1,
+                                                              stream_joined=stream_joined),
+                                     engine_pb2.DATA_PLANE_INLINE, on_step)
+        whole = {o.request_id: len(o.token_ids) for o in response.outputs}
+        assert whole["x"] == 6 and whole["j"] >= 2
+        assert emitted["x"] == 5                      # the last step's token only in the whole response
+        assert ("j" in emitted) == stream_joined and emitted.get("j", 0) in ((whole["j"] - 1, whole["j"]) if
+                                                                            stream_joined else (0,))
     finally:
         engine.release(engine_pb2.ReleaseRequest(request_ids=["x", "j"]))
 
