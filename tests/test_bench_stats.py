@@ -54,6 +54,17 @@ def test_summarize_counts_only_successful_requests():
     assert by_task["rag"]["num_output_tokens"] == 4 and math.isnan(by_task["qa"]["mean_acceptance_length"])
 
 
+def test_summarize_tpot_and_inter_token_latency():
+    a = RequestResult("1", "qa", num_output_tokens=5, ttft_ms=10.0, latency_ms=50.0, itl_ms=[10.0, 10.0, 20.0])
+    b = RequestResult("2", "qa", num_output_tokens=3, ttft_ms=20.0, latency_ms=120.0, itl_ms=[50.0, 50.0])
+    one = RequestResult("3", "qa", num_output_tokens=1, ttft_ms=5.0, latency_ms=5.0)
+    m = summarize([a, b, one], wall_s=1.0, num_cores=1, spec=None)
+    assert m["tpot_ms_p50"] == pytest.approx((10.0 + 50.0) / 2)    # 40 / 4 and 100 / 2; "one" has no TPOT
+    assert m["itl_ms_p50"] == 20.0 and m["itl_ms_max"] == 50.0
+    assert m["itl_ms_p99"] == pytest.approx(50.0)
+    assert math.isnan(summarize([one], 1.0, 1, None)["itl_ms_max"])
+
+
 def test_step_split_means_over_the_window(tmp_path):
     path = tmp_path / "steps.jsonl"
     steps = [{"start_s": t, "draft_ms": d, "verify_ms": 10.0, "data_plane_ms": 1.0, "idle_ms": 2.0, "wall_ms": 12.0,

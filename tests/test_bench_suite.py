@@ -52,6 +52,7 @@ def test_numbers_are_positive_and_complete(suite_results):
                     "latency_ms_p99", "output_tokens_per_s_per_core"):
             assert m[key] > 0, key
         assert m["ttft_ms_p50"] <= m["latency_ms_p50"]
+        assert 0 < m["itl_ms_p50"] <= m["itl_ms_max"] < m["latency_ms_p99"] and m["tpot_ms_p50"] > 0
         assert run["step_split"]["num_steps"] > 0 and run["step_split"]["verify_ms"] > 0
     ar, psd = results["runs"]
     assert ar["metrics"]["mean_acceptance_length"] == 1.0 and ar["max_num_seqs"] == 4

@@ -202,7 +202,7 @@ def test_markdown_has_a_row_per_system_the_ratios_and_the_greedy_check():
     assert "| 1 | psd-vllm / vllm-sd-k4 = 1.20x | psd-vllm 1.80x, ar-vllm 0.90x | psd-vllm 1.20x (vllm-sd-k4) |" in text
     assert "- psd-vllm c=1: 3/4" in text and "k = 3 (ours), m = 2" in text
     assert "BENCHMARK-ONLY" not in text and "FAILED" not in text
-    assert "| vllm-ar | 1 | 10 | 100 | 2.50 | - | - | - | - | - | 1 |" in text   # failed requests, not error kinds
+    assert "| vllm-ar | 1 | 10 | 100 | - / - | 2.50 | - | - | - | - | - | 1 |" in text   # failed requests, not error kinds
 
 
 def test_around_the_call_prefers_psds_parallel_steps_then_the_others():

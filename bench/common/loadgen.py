@@ -6,6 +6,8 @@ latency are measured identically:
 
 - ``ttft_ms``: from sending the request to the first streamed chunk whose delta carries text (ms);
 - ``latency_ms``: from sending the request to the end of the stream (ms, end-to-end latency);
+- ``itl_ms``: the gaps between consecutive chunks whose delta carries text (ms; inter-token
+  latency as vLLM's benchmark_serving measures it, per streamed chunk);
 - ``num_output_tokens``: ``usage.completion_tokens`` of the final usage chunk (tokens);
 - ``spec``: our gateway's ``usage.minedraft`` extension (draft/accepted tokens, number of drafts)
   when present, else None (vLLM reports speculation only in its /metrics).
@@ -77,6 +79,7 @@ class RequestResult:
     num_output_tokens: int = 0
     ttft_ms: float = float("nan")
     latency_ms: float = float("nan")
+    itl_ms: list[float] = field(default_factory=list)
     start_s: float = 0.0
     end_s: float = 0.0
     finish_reason: str = ""
@@ -135,7 +138,7 @@ async def _one(client, cfg: LoadConfig, prompt: Prompt, index: int) -> RequestRe
         extra["seed"] = cfg.seed + index
     parts: list[str] = []
     result.start_s = time.time()
-    start = time.perf_counter()
+    start = last = time.perf_counter()
     try:
         stream = await client.chat.completions.create(
             model=cfg.model, messages=[{"role": "user", "content": prompt.text}], max_tokens=cfg.max_tokens,
@@ -143,8 +146,12 @@ async def _one(client, cfg: LoadConfig, prompt: Prompt, index: int) -> RequestRe
         async for chunk in stream:
             for choice in chunk.choices:
                 if choice.delta and choice.delta.content:
+                    now = time.perf_counter()
                     if not parts:
-                        result.ttft_ms = (time.perf_counter() - start) * 1e3
+                        result.ttft_ms = (now - start) * 1e3
+                    else:
+                        result.itl_ms.append(round((now - last) * 1e3, 3))
+                    last = now
                     parts.append(choice.delta.content)
                 if choice.finish_reason:
                     result.finish_reason = choice.finish_reason

@@ -4,6 +4,10 @@ Definitions (the same for every system; MineDraft paper §6 and vLLM's benchmark
 - ``output_tokens_per_s``: completion tokens of all successful requests / wall time of the run;
 - ``requests_per_s``: successful requests / wall time;
 - ``ttft_ms_p50/p99``, ``latency_ms_p50/p99``: percentiles (linear interpolation) in ms;
+- ``tpot_ms_p50/p99``: per request ``(latency - TTFT) / (output tokens - 1)`` (time per output
+  token after the first, vLLM's TPOT), percentiles over requests of 2+ tokens, ms;
+- ``itl_ms_p50/p99``, ``itl_ms_max``: over every gap between two streamed text chunks of a request
+  (inter-token latency, vLLM's ITL), ms;
 - ``mean_acceptance_length``: ``1 + accepted / num_drafts`` (tokens committed per verify step that
   carried drafts; 1.0 without speculation, vLLM's definition);
 - ``output_tokens_per_s_per_core``: ``output_tokens_per_s / num_cores`` (cores the system's engines own).
@@ -78,12 +82,16 @@ def summarize(results, wall_s: float, num_cores: int, spec: SpecCounts | None) -
     num_tokens = sum(r.num_output_tokens for r in ok)
     tokens_per_s = num_tokens / wall_s
     spec = spec or SpecCounts()
+    tpots = [(r.latency_ms - r.ttft_ms) / (r.num_output_tokens - 1) for r in ok if r.num_output_tokens > 1]
+    itls = [gap for r in ok for gap in getattr(r, "itl_ms", ())]
     return {
         "num_requests": len(results), "num_errors": len(results) - len(ok), "num_output_tokens": num_tokens,
         "wall_s": wall_s, "output_tokens_per_s": tokens_per_s, "requests_per_s": len(ok) / wall_s,
         "ttft_ms_p50": percentile([r.ttft_ms for r in ok], 50), "ttft_ms_p99": percentile([r.ttft_ms for r in ok], 99),
         "latency_ms_p50": percentile([r.latency_ms for r in ok], 50),
         "latency_ms_p99": percentile([r.latency_ms for r in ok], 99),
+        "tpot_ms_p50": percentile(tpots, 50), "tpot_ms_p99": percentile(tpots, 99),
+        "itl_ms_p50": percentile(itls, 50), "itl_ms_p99": percentile(itls, 99), "itl_ms_max": max(itls, default=NAN),
         "mean_acceptance_length": spec.mean_acceptance_length, "acceptance_rate": spec.acceptance_rate,
         "num_cores": num_cores, "output_tokens_per_s_per_core": tokens_per_s / num_cores,
     }

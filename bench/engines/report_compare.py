@@ -123,16 +123,17 @@ def markdown(results: dict, cfg) -> str:
              "|---|" + "---|" * len(cs)]
     for s in systems:
         lines.append(f"| {s} | " + " | ".join(_fmt(_tok_s(get[(s, c)])) if (s, c) in get else "-" for c in cs) + " |")
-    lines += ["", "TTFT p50 / latency p50 (ms), mean acceptance length, step split (ms: draft / verify / wall; "
+    lines += ["", "TTFT p50 / latency p50 / inter-token latency p99 and max (ms), mean acceptance length, step split (ms: draft / verify / wall; "
               "around the call: the coordinator and gRPC around the step's last-ending engine call, "
               "lead + RPC beyond its compute + tail, psd's parallel steps else the others; its RPC part "
               "split into the service's own time / gRPC transport and client (request + response)):", "",
-              "| system | c | TTFT p50 | latency p50 | accept len | draft | verify | step wall | around the call "
-              "| RPC: service / transport | failed requests |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| system | c | TTFT p50 | latency p50 | ITL p99 / max | accept len | draft | verify | step wall "
+              "| around the call | RPC: service / transport | failed requests |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         m, split = r["metrics"], r.get("step_split") or {}
         lines.append(f"| {r['system']} | {r['concurrency']} | {_fmt(m['ttft_ms_p50'], 0)} | {_fmt(m['latency_ms_p50'], 0)} "
+                     f"| {_fmt(m.get('itl_ms_p99'), 0)} / {_fmt(m.get('itl_ms_max'), 0)} "
                      f"| {_fmt(m['mean_acceptance_length'], 2)} | {_fmt(split.get('draft_ms'), 2)} "
                      f"| {_fmt(split.get('verify_ms'), 2)} | {_fmt(split.get('wall_ms'), 2)} "
                      f"| {_fmt(around_the_call(split), 2)} | {rpc_extra_split(split)} | {m['num_errors']} |")
