@@ -189,3 +189,13 @@ def test_real_smollm2_alias_conversion_and_slot_cache_decoding(smollm2_dir):
         with torch.no_grad():
             expected = reference(torch.tensor([seqs[i][:-1]])).logits[0, prompt_len - 1 :]
         assert (torch.stack(got[i]) - expected).abs().max() < REAL_FLOAT32_TOLERANCE
+
+
+def test_specdec_loader_names_the_packaged_gguf_and_the_loading_entry_points():
+    from specdec import loader
+
+    path = loader.packaged_gguf_path()
+    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(path)
+    with open(path, "rb") as f:
+        assert f.read(4) == b"GGUF"
+    assert loader.resolve_model_dir is resolve_model_dir and callable(loader.load_model)
