@@ -71,7 +71,7 @@ class Admitting:
                 self._retire(request, None, error=(grpc.StatusCode.INTERNAL, "verifier decoded a joined request "
                                                                              "before its first token"))
                 continue
-            self._commit(request, list(out.token_ids), list(out.logprobs), 0, 0, list(out.top_logprobs))
+            self._commit_output(request, out)
 
     async def _admit(self) -> None:
         """Admit what both engines and the batches have room for: prefill on the verifier and add
@@ -128,9 +128,7 @@ class Admitting:
             elif out is None or len(out.token_ids) != 1:
                 self._retire(request, None, error=(grpc.StatusCode.INTERNAL, "verifier returned "
                                                    f"{0 if out is None else len(out.token_ids)} first tokens, not 1"))
-            elif self._commit(request, list(out.token_ids), list(out.logprobs), 0, 0, list(out.top_logprobs)) and all(
-                    self._commit(request, list(o.token_ids), list(o.logprobs), 0, 0, list(o.top_logprobs))
-                    for o in early):
+            elif all(self._commit_output(request, o) for o in (out, *early)):   # stops at a finish
                 alive.append(request.request_id)
         if self.cfg.uses_batches:
             self.balancer.assign(self.batches, alive, self._cost_of, self.cfg.max_num_seqs)

@@ -51,7 +51,7 @@ class Postprocess:
             if out.request_id not in named and self.early_tokens.hold(out):
                 continue
             before = len(request.output_token_ids)
-            self._commit(request, list(out.token_ids), list(out.logprobs), 0, 0, list(out.top_logprobs))
+            self._commit_output(request, out)
             if out.request_id in named:
                 streamed.num_emitted += len(request.output_token_ids) - before
 
@@ -112,6 +112,10 @@ class Postprocess:
             accepted.append(request.num_accepted_tokens - accepted_before)  # emitted ones only
             ks.append(k)
         return num_emitted, accepted, ks
+
+    def _commit_output(self, request: RequestState, out: engine_pb2.SeqOutput) -> bool:
+        """``_commit`` of a plain decode's ``SeqOutput`` (no drafts: k = 0, nothing accepted)."""
+        return self._commit(request, list(out.token_ids), list(out.logprobs), 0, 0, list(out.top_logprobs))
 
     def _commit(self, request: RequestState, token_ids: list[int], logprobs: list[float], k: int,
                 num_accepted: int, top_logprobs: list = ()) -> bool:
