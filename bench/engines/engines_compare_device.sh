@@ -12,7 +12,8 @@
 # system names as in bench.engines.compare_systems (e.g. psd-vllm-adaptive: adaptive k; -vsm70: the verifier on 70% of the SMs);
 # SMOKE=1 first runs bench.engines.vllm_backend_smoke (the backend's workers in-process, greedy sd = ar;
 # SMOKE_ARGS its flags, SMOKE_ONLY=1 stops after it); PROFILE=1 first runs bench.engines.ar_step_profile (PROFILE_ARGS);
-# DRAFT_CALLS=1 first runs bench.engines.draft_calls (DRAFT_CALLS_ARGS: one vLLM draft call per engine set-up).
+# DRAFT_CALLS=1 first runs bench.engines.draft_calls (DRAFT_CALLS_ARGS: one vLLM draft call per engine set-up);
+# RPC_FLOOR=0 skips bench.engines.rpc_floor (the floor of one Verify RPC on the host, run first by default).
 set -u
 TABLE=${1:?TABLE: paper or smollm2}
 TOTAL_S=${2:-560}
@@ -39,6 +40,10 @@ mkdir -p "$OUT/$TABLE"
 bash bench/engines/device_watchdog.sh "$OUT/$TABLE/watch.log" "${WATCH_MIN_MIB:-8192}" 5 & WATCHDOG=$!
 trap 'kill $WATCHDOG 2>/dev/null' EXIT
 rm -rf /root/cache/models/random-*   # written by an older checkout (before `architectures` was set)
+if [ "${RPC_FLOOR:-1}" = 1 ]; then   # this host's floor of one Verify RPC (a few s), beside the transport the step logs report
+  timeout 90 python3 -m bench.engines.rpc_floor --num-calls 1000 --server-imports torch,vllm \
+      --out "$OUT/$TABLE/rpc_floor.json" 2>&1 | tail -1
+fi
 if [ -n "${SMOKE:-}" ]; then   # SMOKE_ARGS: bench.engines.vllm_backend_smoke's flags; its profile comes back as one tar
   timeout "${SMOKE_TIMEOUT:-240}" python3 -m bench.engines.vllm_backend_smoke --device cuda --profile-out /tmp/prof \
       ${SMOKE_ARGS:---target random:smollm2-135m --draft random:smollm2-135m --enforce-eager} 2>&1 \
