@@ -391,3 +391,23 @@ def test_step_coalescer_merges_rows_over_the_interval_and_keeps_the_rest() -> No
     assert [list(t.token_ids) for t in first["a"].top_logprobs] == [[10], [11], [12]]
     assert list(second["a"].token_ids) == [13, 14, 15] and list(second["b"].token_ids) == [23, 24]
     assert StepCoalescer(emitted.append, 0).interval == 1
+
+
+@pytest.mark.parametrize("stream_joined", [True, False])
+def test_step_coalescer_counts_the_named_rows_steps_only(stream_joined: bool) -> None:
+    """A joined row ("j") decodes beside the named row ("x") and then once more on its own after
+    x's last (4th) step: the step count is x's, so nothing goes out from x's last step on (the
+    whole response carries it); without ``stream_joined`` j's tokens are never emitted."""
+    from specdec.engine.worker_base import StepOutput
+    from verifier_svc.streaming import StepCoalescer
+
+    emitted: list[dict] = []
+    hook = StepCoalescer(lambda outs: emitted.append({o.request_id: list(o.token_ids) for o in outs}), 1, 4,
+                         frozenset({"x"}), stream_joined)
+    steps = [[("x", 1)], [("x", 2), ("j", 20)], [("x", 3), ("j", 21)], [("x", 4), ("j", 22)], [("j", 23)]]
+    for rows in steps:
+        hook([StepOutput(rid, [token], 0, [-1.0]) for rid, token in rows])
+    if stream_joined:
+        assert emitted == [{"x": [1]}, {"x": [2], "j": [20]}, {"x": [3], "j": [21]}]
+    else:
+        assert emitted == [{"x": [1]}, {"x": [2]}, {"x": [3]}]

@@ -34,23 +34,30 @@ class StepCoalescer:
         interval: engine steps per ``emit`` (>= 1; 0 counts as 1, as the proto's default).
         num_steps: the call's decode steps (``VerifyRequest.num_decode_steps``; 0: not known,
             every interval emits).
-        only: None, or the request ids to stream (the call's named rows, without
-            ``VerifyRequest.stream_joined``); other rows' steps are dropped.
+        named: None, or the call's named rows (``VerifyRequest.request_ids``): then only steps
+            in which one of them got tokens count towards ``num_steps`` (a request that joined
+            the call may decode in steps of its own after the named rows' last, when its prefill
+            took several steps: nothing is emitted after that last step either).
+        stream_joined: with ``named``, whether the other rows' (joined requests') tokens are
+            streamed too (``VerifyRequest.stream_joined``); False drops them here.
     """
 
     def __init__(self, emit: Callable[[list[engine_pb2.SeqOutput]], None], interval: int, num_steps: int = 0,
-                 only: frozenset[str] | None = None) -> None:
+                 named: frozenset[str] | None = None, stream_joined: bool = True) -> None:
         self.emit = emit
         self.interval = max(int(interval), 1)
         self.num_steps = int(num_steps)
-        self.only = only
+        self.named = named
+        self.stream_joined = stream_joined
         self._rows: dict[str, StepOutput] = {}
         self._since_emit = 0     # steps merged since the last emit
-        self._num_seen = 0       # steps of the call so far
+        self._num_seen = 0       # steps of the call so far (with ``named``: steps of named rows)
 
     def __call__(self, steps: list[StepOutput]) -> None:
-        if self.only is not None:
-            steps = [step for step in steps if step.request_id in self.only]
+        if self.named is not None and not self.stream_joined:
+            steps = [step for step in steps if step.request_id in self.named]
+            if not steps:
+                return
         for step in steps:
             row = self._rows.get(step.request_id)
             if row is None:
@@ -61,9 +68,10 @@ class StepCoalescer:
                 row.logprobs += step.logprobs
                 row.top_logprobs += step.top_logprobs
         self._since_emit += 1
-        self._num_seen += 1
-        if self._num_seen == self.num_steps:
-            return   # the call's last step: its whole response carries these rows
+        if self.named is None or any(step.request_id in self.named for step in steps):
+            self._num_seen += 1
+        if self.num_steps and self._num_seen >= self.num_steps:
+            return   # the named rows' last step (or a joined row's after it): the whole response follows
         if self._since_emit >= self.interval and self._rows:
             rows, self._rows, self._since_emit = self._rows, {}, 0
             self.emit([to_seq_output(row) for row in rows.values()])
