@@ -139,6 +139,16 @@ class VllmEngineConfig:
             return self.max_num_batched_tokens
         return max(self.max_model_len, self.max_num_seqs * (self.num_speculative_tokens + 1))
 
+    @property
+    def chunked_prefill(self) -> bool:
+        """vLLM's chunked prefill, off on CPU where one step holds a whole prompt (a step budget
+        of at least ``max_model_len``): vLLM 0.32's CPU build crashes when a seeded, sampled
+        request's prompt is split over steps (it discards the partial step's sample by rewinding
+        the request's generator with ``set_offset``, which CPU generators lack: "CPU Generator
+        does not use offset"), and the verifier seeds every request. A prompt that does not fit
+        beside the step's other tokens then waits for a later step, whole."""
+        return self.device != "cpu" or self.batched_tokens < self.max_model_len
+
     def vllm_default_cudagraph_capture_size(self) -> int:
         """What vLLM 0.24 takes for ``max_cudagraph_capture_size`` when it is left open:
         ``min(max_num_seqs x (k + 1) x 2, 512)``, at most the step budget."""
@@ -179,7 +189,8 @@ def build_engine(cfg: VllmEngineConfig):
     args = EngineArgs(
         model=cfg.model, skip_tokenizer_init=True, dtype=cfg.dtype, seed=cfg.seed,
         max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.batched_tokens, tensor_parallel_size=cfg.tensor_parallel_size,
+        max_num_batched_tokens=cfg.batched_tokens, enable_chunked_prefill=cfg.chunked_prefill,
+        tensor_parallel_size=cfg.tensor_parallel_size,
         load_format=cfg.load_format, enforce_eager=cfg.enforce_eager,
         enable_prefix_caching=cfg.enable_prefix_caching,
         scheduler_cls=ASYNC_SCHEDULER_CLS if cfg.async_scheduling else SCHEDULER_CLS,

@@ -152,3 +152,29 @@ def test_on_step_streams_each_engine_step_and_adds_up_to_the_call(ar_target) -> 
         assert len(calls) >= 6 and all(o.request_id == "short" for o in calls[-1])
     finally:
         ar_target.release("long"), ar_target.release("short")
+
+
+def test_seeded_sampled_prompts_that_do_not_fit_one_step_prefill_whole_on_cpu(model) -> None:
+    """Three seeded, sampled 60-token prompts admitted at once with a 96-token step budget: on
+    CPU the engine runs without chunked prefill (``VllmEngineConfig.chunked_prefill``: vLLM's CPU
+    build crashed on a split seeded prompt, "CPU Generator does not use offset"), so the prompts
+    that do not fit wait for a later step, whole; each request's tokens equal those it gets
+    when admitted alone."""
+    worker = _worker(model[0])
+    assert worker.cfg.batched_tokens == MAX_LEN and not worker.cfg.chunked_prefill
+    sampled = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=16, ignore_eos=True) for i in range(3)]
+    items = [(f"s{i}", _prompt(40 + i, 60), params) for i, params in enumerate(sampled)]
+
+    def tokens(batch) -> dict[str, list[int]]:
+        out = {s.request_id: list(s.token_ids) for s in worker.add_requests(batch)}
+        for s in worker.decode([rid for rid, _, _ in batch], 5):
+            out[s.request_id] += s.token_ids
+        for rid, _, _ in batch:
+            worker.release(rid)
+        return out
+
+    together = tokens(items)
+    alone = {rid: toks for item in items for rid, toks in tokens([item]).items()}
+    assert together == alone and all(len(t) == 6 for t in together.values())
+    assert VllmEngineConfig(model="m", device="cuda").chunked_prefill
+    assert VllmEngineConfig(model="m", max_model_len=96, max_num_batched_tokens=64).chunked_prefill
