@@ -13,8 +13,8 @@ import sys
 
 from coordinator.adaptive import KPolicy
 from coordinator.balancer import BalancerPolicy
-from coordinator.config import (DEFAULT_DRAFTER, DEFAULT_PORT, DEFAULT_STREAM_INTERVAL, DEFAULT_VERIFIER,
-                                CoordinatorConfig, DataPlaneKind, Mode)
+from coordinator.config import (DEFAULT_DRAFTER, DEFAULT_PORT, DEFAULT_STREAM_INTERVAL, DEFAULT_STREAM_INTERVAL_MS,
+                                DEFAULT_VERIFIER, CoordinatorConfig, DataPlaneKind, Mode)
 from coordinator.server import serve
 from minedraft import telemetry
 
@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
                    help="stream a multi-step call's tokens as they decode (else at the call's end)")
     p.add_argument("--stream-interval", type=int, default=DEFAULT_STREAM_INTERVAL,
                    help="streamed multi-step calls: decode steps per partial message (1: every step)")
+    p.add_argument("--stream-interval-ms", type=int, default=DEFAULT_STREAM_INTERVAL_MS,
+                   help="... or a partial message once this many ms passed since the last (0: steps only)")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -63,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> CoordinatorConfig:
             grace_s=a.grace, metrics_port=a.metrics_port, step_log=a.step_log, k_policy=a.k_policy,
             balancer=a.balancer, max_num_batched_tokens=a.max_num_batched_tokens,
             num_decode_steps=a.decode_steps, stream_decode_steps=a.stream_decode_steps,
-            stream_interval=a.stream_interval,
+            stream_interval=a.stream_interval, stream_interval_ms=a.stream_interval_ms,
         )
     except ValueError as exc:
         p.error(str(exc))

@@ -33,6 +33,8 @@ class DataPlaneKind(enum.StrEnum):
 
 MAX_DECODE_STEPS = 64  # the verifier's limit of VerifyRequest.num_decode_steps
 DEFAULT_STREAM_INTERVAL = 8  # decode steps per partial VerifyStream message (bench/results/engines_h200_s19)
+DEFAULT_STREAM_INTERVAL_MS = 50  # ... or sooner, once this many ms passed (a 20-per-second stream on slow steps)
+MAX_STREAM_INTERVAL_MS = 60_000
 NO_TOKEN_BUDGET = 0  # max_num_batched_tokens: no limit on prompt tokens admitted per step
 
 
@@ -77,6 +79,10 @@ class CoordinatorConfig:
             this many decode steps (``VerifyRequest.stream_interval``; vLLM's ``--stream-interval``):
             fewer, larger chunks through the coordinator and the gateway at high concurrency, at
             most this many steps of delay for a request that finishes inside the call. 1: every step.
+        stream_interval_ms: ... or sooner, once this many ms passed since the last partial
+            message (``VerifyRequest.stream_interval_ms``): where a decode step is slow (a large
+            model, a CPU) a stream still moves about every this many ms instead of every
+            ``stream_interval`` steps. 0: steps only.
     """
 
     mode: Mode = Mode.PSD
@@ -100,6 +106,7 @@ class CoordinatorConfig:
     num_decode_steps: int = 1
     stream_decode_steps: bool = True
     stream_interval: int = DEFAULT_STREAM_INTERVAL
+    stream_interval_ms: int = DEFAULT_STREAM_INTERVAL_MS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _enum_field("mode", Mode, self.mode))
@@ -121,6 +128,8 @@ class CoordinatorConfig:
         _require(1 <= self.num_decode_steps <= MAX_DECODE_STEPS, "num_decode_steps",
                  f"must be in [1, {MAX_DECODE_STEPS}]")
         _require(1 <= self.stream_interval <= MAX_DECODE_STEPS, "stream_interval", f"must be in [1, {MAX_DECODE_STEPS}]")
+        _require(0 <= self.stream_interval_ms <= MAX_STREAM_INTERVAL_MS, "stream_interval_ms",
+                 f"must be in [0, {MAX_STREAM_INTERVAL_MS}]")
         _require(0 <= self.metrics_port <= MAX_PORT, "metrics_port", f"must be in [0, {MAX_PORT}] (0 = off)")
 
     @property

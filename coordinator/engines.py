@@ -191,6 +191,7 @@ class EngineClients:
     async def verify(
         self, step_id: int, request_ids: list[str], drafts: list[PendingDrafts] | None, data_plane: int,
         num_decode_steps: int = 1, on_partial=None, stream_interval: int = 1, max_decode_steps: list[int] = (),
+        stream_interval_ms: int = 0,
     ) -> tuple[engine_pb2.VerifyResponse, float]:
         """Verify ``request_ids`` with ``drafts`` (one per request, all from one drafter step; rows
         may differ in k_i: ``VerifyRequest.num_draft_tokens``), or decode them (``drafts`` None:
@@ -198,7 +199,8 @@ class EngineClients:
         ``on_partial``: for a multi-step call, stream it (``VerifyStream``) and call this with
         each partial ``VerifyResponse`` (new tokens of the rows since the last) as it comes; the
         returned response is still the whole call's; ``stream_interval``: decode steps per partial
-        message (``VerifyRequest.stream_interval``); ``max_decode_steps``: per request, the most
+        message (``VerifyRequest.stream_interval``), or sooner once ``stream_interval_ms`` ms
+        passed (0: steps only); ``max_decode_steps``: per request, the most
         of the call's steps it runs (``VerifyRequest.max_decode_steps``; empty: all). Raises
         grpc.aio.AioRpcError, and ValueError when a stream ends without its whole response.
         """
@@ -218,6 +220,7 @@ class EngineClients:
         start = time.perf_counter()
         if on_partial is not None and request.num_decode_steps > 1:
             request.stream_interval = stream_interval
+            request.stream_interval_ms = stream_interval_ms
             request.stream_joined = True
             response = await self._verify_streamed(request, on_partial)
         else:

@@ -97,7 +97,7 @@ class StepLoop(Postprocess):
         async def verify_and_commit(reqs, drafts, n):
             response, rpc_ms = await self.engines.verify(self.step_id, [r.request_id for r in reqs], drafts,
                                                          self._data_plane, n, on_partial, self.cfg.stream_interval,
-                                                         _row_caps(reqs, n))
+                                                         _row_caps(reqs, n), self.cfg.stream_interval_ms)
             self._commit_group(reqs, drafts, response, rpc_ms, times, verify_start_s, verify_batch, streamed,
                                committed, named)
 

@@ -10,8 +10,8 @@ import sys
 
 from minedraft.engine_backend import ENGINES
 from minedraft.placement import ALL_SMS, DEVICES, NO_GPU, default_dtype, parse_gpu_list
-from minedraft.stack import (BALANCERS, DATA_PLANES, DEFAULT_STREAM_INTERVAL, DEFAULT_TARGET, K_POLICIES, MODES,
-                             StackConfig, default_data_plane)
+from minedraft.stack import (BALANCERS, DATA_PLANES, DEFAULT_STREAM_INTERVAL, DEFAULT_STREAM_INTERVAL_MS, DEFAULT_TARGET,
+                             K_POLICIES, MODES, StackConfig, default_data_plane)
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 DEFAULT_PROMPTS = "../shared/data/spec_bench/question.jsonl"
@@ -102,6 +102,9 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-interval", type=int, default=DEFAULT_STREAM_INTERVAL,
                    help="streamed multi-step calls: decode steps per partial message, as vLLM's "
                         "--stream-interval (1: every step; larger: fewer, larger chunks)")
+    p.add_argument("--stream-interval-ms", type=int, default=DEFAULT_STREAM_INTERVAL_MS,
+                   help="... or a partial message once this many ms passed since the last, where steps are "
+                        "slow (0: steps only)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="coordinator admits at most this many prompt tokens between two steps, so running "
                         "requests keep decoding and first tokens stream sooner (0: no limit; a longer prompt "
@@ -141,7 +144,8 @@ def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
                        enforce_eager=args.enforce_eager, draft_sessions=args.draft_sessions, api_key=args.api_key,
                        max_queue_len=args.max_queue_len,
                        grace_s=args.grace, num_decode_steps=args.decode_steps,
-                       stream_decode_steps=args.stream_decode_steps, stream_interval=args.stream_interval)
+                       stream_decode_steps=args.stream_decode_steps, stream_interval=args.stream_interval,
+                       stream_interval_ms=args.stream_interval_ms)
 
 
 def add_prompts_args(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from coordinator.config import DEFAULT_STREAM_INTERVAL, MAX_DECODE_STEPS
+from coordinator.config import DEFAULT_STREAM_INTERVAL, DEFAULT_STREAM_INTERVAL_MS, MAX_DECODE_STEPS, MAX_STREAM_INTERVAL_MS
 from gateway.config import DEFAULT_MAX_N
 from specdec.sample.bench_only import check_acceptance_prob, fixed_acceptance_label
 from minedraft.engine_backend import DEFAULT_DECODE_STEPS, ENGINES, engine_python, vllm_service_args
@@ -98,6 +98,7 @@ class StackConfig:
             ``engine_backend.DEFAULT_DECODE_STEPS``: 32 on vllm, 1 on native); stream_decode_steps: its
             ``--[no-]stream-decode-steps`` (tokens reach the streams as each step decodes them);
             stream_interval: its ``--stream-interval`` (decode steps per streamed partial message).
+            stream_interval_ms: its ``--stream-interval-ms`` (... or a partial once this many ms passed).
     """
 
     mode: str = "psd"
@@ -145,6 +146,7 @@ class StackConfig:
     num_decode_steps: int | None = None
     stream_decode_steps: bool = True
     stream_interval: int = DEFAULT_STREAM_INTERVAL
+    stream_interval_ms: int = DEFAULT_STREAM_INTERVAL_MS
 
     def __post_init__(self) -> None:
         checks = {
@@ -175,6 +177,8 @@ class StackConfig:
             "num_decode_steps": (self.num_decode_steps is None or 1 <= self.num_decode_steps <= MAX_DECODE_STEPS,
                                  f"must be in [1, {MAX_DECODE_STEPS}] (None: the engine's default)"),
             "stream_interval": (1 <= self.stream_interval <= MAX_DECODE_STEPS, f"must be in [1, {MAX_DECODE_STEPS}]"),
+            "stream_interval_ms": (0 <= self.stream_interval_ms <= MAX_STREAM_INTERVAL_MS,
+                                   f"must be in [0, {MAX_STREAM_INTERVAL_MS}]"),
             "grace_s": (0 <= self.grace_s < self.stop_timeout_s, "must be >= 0 and below stop_timeout_s"),
             "gpu_memory_utilization": (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
                                        "must be in (0, 1]"),
@@ -352,7 +356,7 @@ def coordinator_spec(cfg: StackConfig) -> ServiceSpec:
             "--max-num-batched-tokens", str(_batched_tokens(cfg)), "--max-queue-len", str(cfg.max_queue_len),
             "--grace", repr(cfg.grace_s), "--decode-steps", str(cfg.decode_steps),
             "--stream-decode-steps" if cfg.stream_decode_steps else "--no-stream-decode-steps",
-            "--stream-interval", str(cfg.stream_interval)]
+            "--stream-interval", str(cfg.stream_interval), "--stream-interval-ms", str(cfg.stream_interval_ms)]
     if cfg.step_log:
         argv += ["--step-log", os.path.abspath(cfg.step_log)]
     return ServiceSpec("coordinator", argv, f"{cfg.host}:{cfg.coordinator_port}", env=cfg.placement.torch_free_env())

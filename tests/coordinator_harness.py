@@ -67,6 +67,7 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
         self.num_dist_fetches, self.is_failing = 0, False
         self.decode_steps_seen: list[int] = []   # VerifyRequest.num_decode_steps > 1 seen
         self.stream_intervals_seen: list[int] = []   # VerifyRequest.stream_interval of each VerifyStream call
+        self.stream_interval_ms_seen: list[int] = []   # ... and its stream_interval_ms
         self.max_decode_steps_seen: list[tuple] = []  # (request ids, max_decode_steps) of each multi-step call
         self.call_ends_s: list[float] = []       # perf_counter at the end of each streamed call
         # as the vLLM verifier: requests added while a multi-step call runs decode in it too
@@ -153,6 +154,7 @@ class FakeVerifier(engine_pb2_grpc.VerifierServicer):
             self._joined_ids = []
         self.decode_steps_seen.append(request.num_decode_steps)
         self.stream_intervals_seen.append(request.stream_interval)
+        self.stream_interval_ms_seen.append(request.stream_interval_ms)
         self.max_decode_steps_seen.append((list(request.request_ids), list(request.max_decode_steps)))
         rows: dict[str, list[int]] = {rid: [] for rid in request.request_ids}
         joined: dict[str, list[int]] = {}

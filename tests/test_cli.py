@@ -223,10 +223,12 @@ def test_up_caps_the_gateways_choices_at_the_coordinators_queue(queue_len, max_n
 def test_up_passes_decode_steps_to_the_coordinator():
     from minedraft.cli import build_parser, stack_config
 
-    args = build_parser().parse_args(["up", "--mode", "ar", "--decode-steps", "8", "--stream-interval", "3"])
+    args = build_parser().parse_args(["up", "--mode", "ar", "--decode-steps", "8", "--stream-interval", "3",
+                                      "--stream-interval-ms", "20"])
     coordinator = {s.name: s for s in build_service_specs(stack_config(args, args.mode), "/target")}["coordinator"].argv
     assert coordinator[coordinator.index("--decode-steps") + 1] == "8"
     assert coordinator[coordinator.index("--stream-interval") + 1] == "3"
+    assert coordinator[coordinator.index("--stream-interval-ms") + 1] == "20"
 
 
 @pytest.mark.parametrize("engine, steps", [("native", "1"), ("vllm", "32")])
@@ -241,7 +243,8 @@ def test_up_decodes_the_engines_default_tokens_per_ar_call(engine, steps):
 
 @pytest.mark.parametrize("field, value", [("max_queue_len", 0), ("grace_s", -1.0), ("grace_s", 20.0),
                                           ("num_decode_steps", 0), ("num_decode_steps", 65),
-                                          ("stream_interval", 0), ("stream_interval", 65)])
+                                          ("stream_interval", 0), ("stream_interval", 65),
+                                          ("stream_interval_ms", -1), ("stream_interval_ms", 60_001)])
 def test_stack_config_refuses_bad_queue_and_grace(field, value):
     with pytest.raises(ValueError, match=field):
         StackConfig(**{field: value})

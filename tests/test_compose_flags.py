@@ -31,7 +31,7 @@ def _coordinator_argv(env: dict[str, str]) -> list[str]:
 def test_compose_coordinator_flags_parse_with_their_defaults():
     cfg = parse_args(_coordinator_argv({}))
     assert (cfg.mode, cfg.num_speculative_tokens, cfg.max_num_seqs) == ("psd", 4, 16)
-    assert (cfg.num_decode_steps, cfg.stream_interval) == (1, 8)
+    assert (cfg.num_decode_steps, cfg.stream_interval, cfg.stream_interval_ms) == (1, 8, 50)
 
 
 def test_compose_coordinator_decodes_32_tokens_per_ar_call_on_vllm_unless_told():
@@ -41,5 +41,6 @@ def test_compose_coordinator_decodes_32_tokens_per_ar_call_on_vllm_unless_told()
 
 def test_compose_coordinator_takes_the_users_settings():
     cfg = parse_args(_coordinator_argv({"MINEDRAFT_DECODE_STEPS": "16", "MINEDRAFT_STREAM_INTERVAL": "4",
-                                        "MINEDRAFT_K": "3"}))
+                                        "MINEDRAFT_STREAM_INTERVAL_MS": "0", "MINEDRAFT_K": "3"}))
     assert (cfg.num_decode_steps, cfg.stream_interval, cfg.num_speculative_tokens) == (16, 4, 3)
+    assert cfg.stream_interval_ms == 0

@@ -94,6 +94,9 @@ def test_config_refuses_bad_decode_steps() -> None:
             CoordinatorConfig(num_decode_steps=bad)
         with pytest.raises(ValueError, match="stream_interval"):
             CoordinatorConfig(stream_interval=bad)
+    for bad in (-1, 60_001):
+        with pytest.raises(ValueError, match="stream_interval_ms"):
+            CoordinatorConfig(stream_interval_ms=bad)
 
 
 def test_decode_room_follows_the_verifier_window() -> None:
@@ -239,9 +242,11 @@ def test_a_request_finishing_inside_a_streamed_call_ends_before_the_call() -> No
         async with Harness(mode="ar", max_num_seqs=4, num_decode_steps=8, delay_s=0.8, stream_interval=3) as h:
             h.verifier.joins_decode = True
             long, (short, after) = await asyncio.gather(stream(h, "long", [5, 9, 17], 17), closed_loop(h))
-            return long, short, after, list(h.verifier.call_ends_s), h.verifier.stream_intervals_seen
+            return long, short, after, list(h.verifier.call_ends_s), (h.verifier.stream_intervals_seen,
+                                                                        h.verifier.stream_interval_ms_seen)
 
-    long, short, after, call_ends, intervals = asyncio.run(run())
+    long, short, after, call_ends, (intervals, intervals_ms) = asyncio.run(run())
+    assert intervals_ms == [50, 50]   # the coordinator's default stream_interval_ms
     assert intervals == [3, 3]   # the coordinator's stream_interval, in each call (this verifier streams every step)
     assert long == _expected([5, 9, 17], {"max_tokens": 17})
     assert short == _expected([7, 1, 30], {"max_tokens": 12}) and after == _expected([4, 4, 9], {"max_tokens": 4})
@@ -391,6 +396,24 @@ def test_step_coalescer_merges_rows_over_the_interval_and_keeps_the_rest() -> No
     assert [list(t.token_ids) for t in first["a"].top_logprobs] == [[10], [11], [12]]
     assert list(second["a"].token_ids) == [13, 14, 15] and list(second["b"].token_ids) == [23, 24]
     assert StepCoalescer(emitted.append, 0).interval == 1
+
+
+def test_step_coalescer_also_emits_once_its_time_interval_passed(monkeypatch) -> None:
+    """``interval_ms`` 50 beside ``interval`` 8: steps of 30 ms each (a fake clock) go out every
+    second step (60 ms >= 50), not every 8th; without it, every 8th."""
+    from specdec.engine.worker_base import StepOutput
+    from verifier_svc import streaming
+
+    clock = [100.0]
+    monkeypatch.setattr(streaming.time, "perf_counter", lambda: clock[0])
+    for interval_ms, expected in ((50, [2, 2, 2, 2]), (0, [8])):
+        emitted: list[int] = []
+        hook = streaming.StepCoalescer(lambda outs: emitted.append(len(outs[0].token_ids)), 8, 10, frozenset({"x"}),
+                                       True, interval_ms)
+        for step in range(10):
+            clock[0] += 0.030
+            hook([StepOutput("x", [step], 0, [-1.0])])
+        assert emitted == expected, (interval_ms, emitted)   # steps 9-10: the whole response's
 
 
 @pytest.mark.parametrize("stream_joined", [True, False])

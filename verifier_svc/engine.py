@@ -213,7 +213,8 @@ class VerifierEngine:
         ks = _row_ks(command, len(ids), draft_ids.shape[1])
         if command.num_decode_steps > 1:
             hook = None if on_step is None else StepCoalescer(on_step, command.stream_interval, command.num_decode_steps,
-                                                              frozenset(ids), command.stream_joined)
+                                                              frozenset(ids), command.stream_joined,
+                                                              command.stream_interval_ms)
             return [to_seq_output(step) for step in self.worker.decode(ids, command.num_decode_steps, hook,
                                                                          list(command.max_decode_steps) or None)]
         steps = self.worker.verify(ids, [row[:k_i] for row, k_i in zip(draft_ids.tolist(), ks)], probs)

@@ -4,12 +4,15 @@
 engine decodes them. One partial message per engine step costs a message per step through the
 coordinator and the gateway (at 64 requests, 64 one-token chunks per step), so the engine thread
 merges ``VerifyRequest.stream_interval`` steps into one partial (vLLM's ``--stream-interval``
-trades smoothness for host overhead the same way). The steps after the last partial reach the
-coordinator in the call's whole ``VerifyResponse``.
+trades smoothness for host overhead the same way), or fewer where steps are slow:
+``VerifyRequest.stream_interval_ms`` sends a partial once that many ms passed, so a stream keeps
+moving on a large model or a CPU. The steps after the last partial reach the coordinator in the
+call's whole ``VerifyResponse``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from engine_svc.service import to_seq_output
@@ -40,15 +43,20 @@ class StepCoalescer:
             took several steps: nothing is emitted after that last step either).
         stream_joined: with ``named``, whether the other rows' (joined requests') tokens are
             streamed too (``VerifyRequest.stream_joined``); False drops them here.
+        interval_ms: also emit once this many ms passed since the last emit (or since this hook
+            was built, at the call's start), whatever ``interval``
+            (``VerifyRequest.stream_interval_ms``; 0: steps only).
     """
 
     def __init__(self, emit: Callable[[list[engine_pb2.SeqOutput]], None], interval: int, num_steps: int = 0,
-                 named: frozenset[str] | None = None, stream_joined: bool = True) -> None:
+                 named: frozenset[str] | None = None, stream_joined: bool = True, interval_ms: int = 0) -> None:
         self.emit = emit
         self.interval = max(int(interval), 1)
         self.num_steps = int(num_steps)
         self.named = named
         self.stream_joined = stream_joined
+        self.interval_s = max(int(interval_ms), 0) / 1e3
+        self._last_emit_s = time.perf_counter()   # of the last emit, or of the call's start (built then)
         self._rows: dict[str, StepOutput] = {}
         self._since_emit = 0     # steps merged since the last emit
         self._num_seen = 0       # steps of the call so far (with ``named``: steps of named rows)
@@ -72,8 +80,10 @@ class StepCoalescer:
             self._num_seen += 1
         if self.num_steps and self._num_seen >= self.num_steps:
             return   # the named rows' last step (or a joined row's after it): the whole response follows
-        if self._since_emit >= self.interval and self._rows:
-            rows, self._rows, self._since_emit = self._rows, {}, 0
+        now = time.perf_counter()
+        is_due = self._since_emit >= self.interval or (self.interval_s and now - self._last_emit_s >= self.interval_s)
+        if is_due and self._rows:
+            rows, self._rows, self._since_emit, self._last_emit_s = self._rows, {}, 0, now
             self.emit([to_seq_output(row) for row in rows.values()])
         elif any(step.is_final for step in steps):
             self.emit([to_seq_output(self._rows.pop(step.request_id)) for step in steps

@@ -148,7 +148,7 @@ class DraftResponse(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., draft_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., has_draft_probs: _Optional[bool] = ..., draft_ms: _Optional[float] = ..., data_plane_ms: _Optional[float] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., service_ms: _Optional[float] = ..., service_start_s: _Optional[float] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("step_id", "request_ids", "draft_token_ids", "draft_probs", "has_draft_probs", "data_plane", "draft_step_id", "num_draft_tokens", "num_decode_steps", "stream_interval", "max_decode_steps", "stream_joined")
+    __slots__ = ("step_id", "request_ids", "draft_token_ids", "draft_probs", "has_draft_probs", "data_plane", "draft_step_id", "num_draft_tokens", "num_decode_steps", "stream_interval", "max_decode_steps", "stream_interval_ms", "stream_joined")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,7 @@ class VerifyRequest(_message.Message):
     NUM_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     MAX_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     STREAM_JOINED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     request_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -172,8 +173,9 @@ class VerifyRequest(_message.Message):
     num_decode_steps: int
     stream_interval: int
     max_decode_steps: _containers.RepeatedScalarFieldContainer[int]
+    stream_interval_ms: int
     stream_joined: bool
-    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., draft_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., has_draft_probs: _Optional[bool] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ..., draft_step_id: _Optional[int] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., num_decode_steps: _Optional[int] = ..., stream_interval: _Optional[int] = ..., max_decode_steps: _Optional[_Iterable[int]] = ..., stream_joined: _Optional[bool] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., draft_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., has_draft_probs: _Optional[bool] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ..., draft_step_id: _Optional[int] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., num_decode_steps: _Optional[int] = ..., stream_interval: _Optional[int] = ..., max_decode_steps: _Optional[_Iterable[int]] = ..., stream_interval_ms: _Optional[int] = ..., stream_joined: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("step_id", "outputs", "verify_ms", "data_plane_ms", "is_partial", "service_ms", "service_start_s")
