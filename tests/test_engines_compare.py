@@ -38,6 +38,9 @@ SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, inte
     ("ar-vllm-ds32-block", SystemName("ours", "ar", "vllm", decode_steps=32, stream_decode_steps=False)),
     ("ar-vllm-ds32-si4", SystemName("ours", "ar", "vllm", decode_steps=32, stream_interval=4)),
     ("ar-native-si1", SystemName("ours", "ar", "native", stream_interval=1)),
+    ("ar-vllm-ms0", SystemName("ours", "ar", "vllm", stream_interval_ms=0)),
+    ("ar-vllm-ds32-si4-ms20-adaptive", SystemName("ours", "ar", "vllm", decode_steps=32, stream_interval=4,
+                                                  stream_interval_ms=20, adaptive_k=True)),
 ])
 def test_parse_system_reads_every_form(name, expected):
     assert parse_system(name) == expected
@@ -47,7 +50,8 @@ def test_parse_system_reads_every_form(name, expected):
                                   "ar-vllm-ds0", "ar-vllm-ds65", "vllm-ar-ds8", "ar-vllm-dsx", "ar-vllm-si0",
                                   "ar-vllm-si65", "ar-vllm-si4-block", "ar-vllm-block-ds8", "ar-vllm-si4-ds8",
                                   "psd-vllm-vsm0", "psd-vllm-vsm101", "psd-vllm-vsm70-adaptive", "vllm-sd-k3-adaptive",
-                                  "psd-vllm-ses-adaptive", "vllm-ar-ses"])
+                                  "psd-vllm-ses-adaptive", "vllm-ar-ses", "ar-vllm-ms60001", "ar-vllm-ms20-si4",
+                                  "ar-vllm-msx"])
 def test_parse_system_refuses_unknown_names_naming_them(name):
     with pytest.raises(ValueError, match=f"unknown system '{name}'"):
         parse_system(name)
@@ -73,6 +77,15 @@ def test_our_stack_config_carries_the_k_policy_and_the_verifier_sm_share(name, t
     if "vsm" in name:
         with pytest.raises(ValueError, match="needs --cuda-mps"):
             CompareConfig(out_dir="x", systems=(name,))
+
+
+@pytest.mark.parametrize("name, interval_ms", [("ar-vllm", 50), ("ar-vllm-ms0", 0), ("ar-vllm-si4-ms20", 20)])
+def test_our_stack_config_carries_the_stream_interval_ms(name, interval_ms, tmp_path):
+    from bench.engines.compare_systems import our_stack_config
+
+    stack = our_stack_config(parse_system(name), CompareConfig(out_dir="x", systems=(name,)), str(tmp_path),
+                             str(tmp_path / "steps.jsonl"))
+    assert stack.stream_interval_ms == interval_ms
 
 
 def test_synthetic_rates_are_the_powers_of_p():

@@ -1,9 +1,10 @@
 """The systems of ``bench.engines.engines_compare``: our stack on either engine backend, vLLM's own server.
 
-Names: ``<mode>-<engine>[-ds<N>][-si<S>|-block][-adaptive][-ses][-vsm<P>]`` for ours (mode
+Names: ``<mode>-<engine>[-ds<N>][-si<S>|-block][-ms<T>][-adaptive][-ses][-vsm<P>]`` for ours (mode
 ``ar``/``sd``/``psd``/``auto``, engine ``vllm`` or ``native``; ``-ds<N>``: ``--decode-steps N`` for
 this system, else the run's; ``-si<S>``: ``--stream-interval S`` (else the default); ``-block``:
-``--no-stream-decode-steps``, a multi-step call's tokens at its end; ``-adaptive``: ``--k-policy
+``--no-stream-decode-steps``, a multi-step call's tokens at its end; ``-ms<T>``:
+``--stream-interval-ms T`` (0: partial messages by steps only); ``-adaptive``: ``--k-policy
 adaptive``, which ``auto`` always runs; ``-ses``: ``--draft-sessions``, the vLLM drafter's resident
 draft requests; ``-vsm<P>``: ``--cuda-mps-verifier-sm-percent P``), ``vllm-ar`` and
 ``vllm-sd-k<K>`` for vLLM. Start/stop and metrics are those of
@@ -17,13 +18,13 @@ import re
 from dataclasses import dataclass
 
 from bench.common.systems import Endpoint, OursSystem, VllmSystem
-from coordinator.config import DEFAULT_STREAM_INTERVAL
+from coordinator.config import DEFAULT_STREAM_INTERVAL, DEFAULT_STREAM_INTERVAL_MS, MAX_STREAM_INTERVAL_MS
 from minedraft.engine_backend import ENGINES, OWN_GPU_UTILIZATION, engine_python
 
 OUR_MODES = ("ar", "sd", "psd", "auto")
 _VLLM_SD = re.compile(r"^vllm-sd-k(\d+)$")
 _OURS = re.compile(r"^(?P<mode>[a-z]+)-(?P<engine>[a-z]+)(?:-ds(?P<ds>\d+))?(?:-si(?P<si>\d+)|(?P<block>-block))?"
-                   r"(?P<adaptive>-adaptive)?(?P<ses>-ses)?(?:-vsm(?P<vsm>\d+))?$")
+                   r"(?:-ms(?P<ms>\d+))?(?P<adaptive>-adaptive)?(?P<ses>-ses)?(?:-vsm(?P<vsm>\d+))?$")
 SERVED_MODEL = "minedraft-bench-target"
 
 
@@ -36,6 +37,7 @@ class SystemName:
     decode_steps: int | None = None  # ours: --decode-steps of this system (None: the run's)
     stream_decode_steps: bool = True  # ours: False for -block (--no-stream-decode-steps)
     stream_interval: int | None = None  # ours: --stream-interval of this system (None: the default)
+    stream_interval_ms: int | None = None  # ours: --stream-interval-ms of this system (None: the default)
     adaptive_k: bool = False  # ours: --k-policy adaptive (auto: always)
     verifier_sm_percent: int = 100  # ours: --cuda-mps-verifier-sm-percent
     draft_sessions: bool = False  # ours: --draft-sessions
@@ -51,17 +53,18 @@ def parse_system(name: str) -> SystemName:
     ours = _OURS.match(name)
     counts = [int(ours.group(g)) for g in ("ds", "si") if ours.group(g) is not None] if ours else []
     vsm = int(ours.group("vsm")) if ours and ours.group("vsm") else 100
+    ms = int(ours.group("ms")) if ours and ours.group("ms") else None
     if (ours and ours.group("mode") in OUR_MODES and ours.group("engine") in ENGINES and all(1 <= n <= 64 for n in counts)
-            and 1 <= vsm <= 100):
+            and 1 <= vsm <= 100 and (ms is None or ms <= MAX_STREAM_INTERVAL_MS)):
         return SystemName("ours", ours.group("mode"), ours.group("engine"),
                           decode_steps=int(ours.group("ds")) if ours.group("ds") else None,
                           stream_decode_steps=ours.group("block") is None,
-                          stream_interval=int(ours.group("si")) if ours.group("si") else None,
+                          stream_interval=int(ours.group("si")) if ours.group("si") else None, stream_interval_ms=ms,
                           adaptive_k=ours.group("adaptive") is not None or ours.group("mode") == "auto",
                           verifier_sm_percent=vsm, draft_sessions=ours.group("ses") is not None)
     raise ValueError(f"systems: unknown system {name!r} (forms: vllm-ar, vllm-sd-k<K>, "
-                     f"<{'|'.join(OUR_MODES)}>-<{'|'.join(ENGINES)}>[-ds<N>][-si<S>|-block][-adaptive][-ses][-vsm<P>], "
-                     "N and S in [1, 64], P in [1, 100])")
+                     f"<{'|'.join(OUR_MODES)}>-<{'|'.join(ENGINES)}>[-ds<N>][-si<S>|-block][-ms<T>][-adaptive][-ses][-vsm<P>], "
+                     f"N and S in [1, 64], T in [0, {MAX_STREAM_INTERVAL_MS}], P in [1, 100])")
 
 
 def synthetic_rates(p: float, k: int) -> list[float]:
@@ -91,7 +94,8 @@ def our_stack_config(system: SystemName, cfg, logs_dir: str, step_log: str):
         startup_timeout_s=cfg.startup_timeout_s,
         num_decode_steps=cfg.decode_steps if system.decode_steps is None else system.decode_steps,
         stream_decode_steps=system.stream_decode_steps,
-        stream_interval=system.stream_interval or DEFAULT_STREAM_INTERVAL)
+        stream_interval=system.stream_interval or DEFAULT_STREAM_INTERVAL,
+        stream_interval_ms=DEFAULT_STREAM_INTERVAL_MS if system.stream_interval_ms is None else system.stream_interval_ms)
 
 
 class OursServer(OursSystem):
