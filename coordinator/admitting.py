@@ -95,25 +95,24 @@ class Admitting:
         # auto running ar adds newcomers to the drafter on their first draft (StepLoop._add_to_drafter)
         is_lazy = self.cfg.mode == Mode.AUTO and self.effective_mode == Mode.AR
         is_drafting = self.mode != Mode.AR and bool(drafted) and not is_lazy
-        self.early_tokens.start(r.request_id for r in new)
         calls = [self.engines.prefill_verifier(seqs)]
         if is_drafting:  # a prompt longer than the draft's window runs without speculation
             draft_seqs = [seq for seq, r in zip(seqs, new) if r in drafted]
             calls.append(self.engines.add_to_drafter(draft_seqs))
+        self.early_tokens.start(r.request_id for r in new)
         try:
             results = await asyncio.gather(*calls, return_exceptions=True)
-        except BaseException:   # cancelled (shutdown): nothing more is held for them
+            if is_drafting and isinstance(results[1], Exception):
+                self._lose_drafter(results[1])
+            elif is_drafting:  # a request the drafter refused runs undrafted (coordinator.fallback)
+                self.drafter_link.refuse(results[1])
+                for request in drafted:
+                    if request.request_id not in results[1]:
+                        request.num_drafter_tokens = len(request.prompt_token_ids)
+            self._start_requests(new, results[0])
+        finally:   # whatever happened (cancelled at shutdown, too), nothing more is held for them
             for request in new:
                 self.early_tokens.take(request.request_id)
-            raise
-        if is_drafting and isinstance(results[1], Exception):
-            self._lose_drafter(results[1])
-        elif is_drafting:  # a request the drafter refused runs undrafted (coordinator.fallback)
-            self.drafter_link.refuse(results[1])
-            for request in drafted:
-                if request.request_id not in results[1]:
-                    request.num_drafter_tokens = len(request.prompt_token_ids)
-        self._start_requests(new, results[0])
 
     def _start_requests(self, new: list[RequestState], outputs: dict[str, object]) -> None:
         """Stream each first token (TTFT), then what a running call streamed of the request
