@@ -6,7 +6,7 @@ Layers, lowest first (``LAYERS``; a module belongs to its longest listed prefix)
 
 0. engine base: ``specdec`` (package), ``specdec.config``, ``specdec.errors``, ``specdec.engine_api``
 1. engine layers: ``specdec.kv``, ``specdec.sample``, ``specdec.dataplane``
-2. models: ``specdec.models``
+2. models: ``specdec.models`` and ``specdec.loader`` (its entry points under a short name)
 3. workers: ``specdec.engine`` (model runner, target and draft workers)
 4. engine backends: ``specdec.vllm_backend``
 5. wire and service runtime: ``minedraft.v1`` (generated protos), ``minedraft.serving``,
@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("specdec", "specdec.config", "specdec.errors", "specdec.engine_api"),
     ("specdec.kv", "specdec.sample", "specdec.dataplane"),
-    ("specdec.models",),
+    ("specdec.models", "specdec.loader"),
     ("specdec.engine",),
     ("specdec.vllm_backend",),
     ("minedraft.v1", "minedraft.serving", "minedraft.telemetry"),
