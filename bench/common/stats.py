@@ -83,7 +83,7 @@ def summarize(results, wall_s: float, num_cores: int, spec: SpecCounts | None) -
     tokens_per_s = num_tokens / wall_s
     spec = spec or SpecCounts()
     tpots = [(r.latency_ms - r.ttft_ms) / (r.num_output_tokens - 1) for r in ok if r.num_output_tokens > 1]
-    itls = [gap for r in ok for gap in getattr(r, "itl_ms", ())]
+    itls = [gap for r in ok for gap in r.itl_ms]
     return {
         "num_requests": len(results), "num_errors": len(results) - len(ok), "num_output_tokens": num_tokens,
         "wall_s": wall_s, "output_tokens_per_s": tokens_per_s, "requests_per_s": len(ok) / wall_s,

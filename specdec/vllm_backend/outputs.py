@@ -31,6 +31,10 @@ class CoreOutput:
     logprobs: list[dict] | None = None
     finish_reason: str | None = None
 
+    def after_first(self) -> "CoreOutput":
+        """This step's delta without its first token (a joined request's, which its join answered)."""
+        return CoreOutput(self.token_ids[1:], None if self.logprobs is None else self.logprobs[1:], self.finish_reason)
+
 
 def core_step(engine, names: dict) -> dict:
     """{request id (ours): ``CoreOutput``} of one step of ``engine``'s engine core, read from
@@ -163,7 +167,7 @@ def streamer(named: list[tuple[str, int]], on_step, num_top_of):
     in order), then those of requests that joined the call, without a joined request's first
     token (its join's answer, ``JoiningCallsMixin``), so that what streams of a joined row is
     what the call's response returns of it (``StepDelta.after_first``). ``num_top_of``: request
-    id -> top logprobs asked (-1: none), or None for an id the worker does not hold."""
+    id -> top logprobs asked (-1: none) of a joined request."""
     named_ids = {rid for rid, _ in named}
     first_seen: set[str] = set()   # joined rows whose first token went by
 
@@ -173,16 +177,11 @@ def streamer(named: list[tuple[str, int]], on_step, num_top_of):
         for rid, output in outputs.items():
             if rid in named_ids or not output.token_ids:
                 continue
-            num_top = num_top_of(rid)
-            if num_top is None:
-                continue
             if rid not in first_seen:
                 first_seen.add(rid)
-                output = CoreOutput(output.token_ids[1:], None if output.logprobs is None else output.logprobs[1:],
-                                    output.finish_reason)
-                if not output.token_ids:
-                    continue
-            steps.append(step_output(rid, output, 0, num_top))
+                output = output.after_first()
+            if output.token_ids:
+                steps.append(step_output(rid, output, 0, num_top_of(rid)))
         for out in steps:
             out.is_final = out.request_id in final
         if steps:

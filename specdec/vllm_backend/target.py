@@ -202,9 +202,8 @@ class VllmTargetWorker(JoiningCallsMixin):
         return [step_output(rid, outputs[rid], len(row), s.params.logprobs)
                 for rid, s, row in zip(request_ids, states, draft_token_ids)] + joined
 
-    def _num_top_of(self, request_id: str) -> int | None:
-        state = self._requests.get(request_id)
-        return None if state is None else state.params.logprobs
+    def _num_top_of(self, request_id: str) -> int:
+        return self._requests[request_id].params.logprobs
 
     def decode(self, request_ids: list[str], num_steps: int, on_step=None, max_steps: list[int] | None = None):
         """``num_steps`` plain decode steps over ``request_ids`` in one call (multi-step decoding:
