@@ -74,4 +74,7 @@ python3 -m bench.engines.engines_compare --out-dir "$OUT/$TABLE" --work-dir /tmp
     --data "${DATA:-/root/stage/x/question.jsonl}" --time-budget-s "$(( $(left) - 40 ))" ${EXTRA:-}
 echo "engines_compare $TABLE done, $(left) s left"
 tar czf "$OUT/$TABLE/logs.tgz" -C /tmp/work/$TABLE logs 2>/dev/null
+# the compile caches a later start of the same engine reuses (a repeated vllm-ar start: torch.compile 20 -> 5 s,
+# engine init 40 -> 10 s): their size, to judge carrying them to the next lease
+du -sh /root/.cache/vllm /root/.triton /tmp/torchinductor_root 2>/dev/null | tee "$OUT/$TABLE/compile_caches.txt"
 ls -la "$OUT/$TABLE"
