@@ -40,11 +40,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="--engine vllm: keep each request's draft request resident in vLLM (a resumable "
                              "session rolled back to what the verifier kept) instead of one new request per "
                              "draft call (specdec.vllm_backend.draft_sessions; prefix caching off)")
+    parser.add_argument("--draft-proposer-tokens", type=int, default=0, metavar="N",
+                        help="--engine vllm: draft with vLLM's own draft-model proposer: after each engine step's "
+                             "sampled token the draft model proposes N more inside the step, so a draft call of "
+                             "k <= N + 1 tokens is one engine step instead of k (greedy tokens after the first; "
+                             "specdec.vllm_backend.draft; 0: off; not with --draft-sessions)")
     add_common_args(parser, DEFAULT_PORT)
     args = parser.parse_args(argv)
     check_common_args(parser, args)
     if args.draft_sessions and args.engine != "vllm":
         parser.error("--draft-sessions: only with --engine vllm")
+    if args.draft_proposer_tokens and (args.engine != "vllm" or args.draft_sessions):
+        parser.error("--draft-proposer-tokens: only with --engine vllm and without --draft-sessions")
+    if args.draft_proposer_tokens < 0:
+        parser.error(f"--draft-proposer-tokens: must be >= 0, got {args.draft_proposer_tokens}")
     return args
 
 
@@ -101,8 +110,9 @@ def load_worker(args: argparse.Namespace):
 
 
 def _load_vllm_worker(args: argparse.Namespace):
-    """``VllmDraftWorker``, or ``VllmSessionDraftWorker`` with ``--draft-sessions`` (a MineDraft
-    draft dir is exported to a standalone HF dir first)."""
+    """``VllmDraftWorker`` (with ``--draft-proposer-tokens``: drafting with vLLM's draft-model
+    proposer), or ``VllmSessionDraftWorker`` with ``--draft-sessions`` (a MineDraft draft dir is
+    exported to a standalone HF dir first)."""
     from engine_svc.service import vllm_engine_config
     from specdec.config import ModelConfig
     from specdec.models.resolve import resolve_model_dir
@@ -116,7 +126,8 @@ def _load_vllm_worker(args: argparse.Namespace):
     if args.draft_sessions:
         cfg = vllm_engine_config(args, draft_dir, load_format, enable_prefix_caching=False)
         return VllmSessionDraftWorker(cfg, target_vocab_size, seed=args.seed)
-    return VllmDraftWorker(vllm_engine_config(args, draft_dir, load_format), target_vocab_size, seed=args.seed)
+    cfg = vllm_engine_config(args, draft_dir, load_format, proposer_tokens=args.draft_proposer_tokens)
+    return VllmDraftWorker(cfg, target_vocab_size, seed=args.seed)
 
 
 def _probs_server(args: argparse.Namespace):

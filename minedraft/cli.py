@@ -58,6 +58,10 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-sessions", action="store_true",
                    help="--engine vllm: the drafter keeps each request's draft request resident in vLLM instead "
                         "of admitting it again every draft call (specdec.vllm_backend.draft_sessions)")
+    p.add_argument("--draft-proposer", action="store_true",
+                   help="--engine vllm: the drafter drafts with vLLM's own draft-model proposer, k - 1 greedy tokens "
+                        "inside the engine step after each sampled one: one engine step per draft call instead of k "
+                        "(specdec.vllm_backend.draft; not with --draft-sessions)")
     p.add_argument("--bench-fixed-acceptance", type=float, default=None, metavar="P",
                    help="BENCHMARK-ONLY: the verifier accepts each draft token with probability P instead of "
                         "rejection sampling (changes the output distribution; for random:<preset> models)")
@@ -141,7 +145,8 @@ def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
                        max_graph_prefill_tokens=args.max_graph_prefill_tokens,
                        max_num_batched_tokens=args.max_num_batched_tokens, engine=args.engine,
                        engine_python=args.engine_python, gpu_memory_utilization=args.gpu_memory_utilization,
-                       enforce_eager=args.enforce_eager, draft_sessions=args.draft_sessions, api_key=args.api_key,
+                       enforce_eager=args.enforce_eager, draft_sessions=args.draft_sessions,
+                       draft_proposer=args.draft_proposer, api_key=args.api_key,
                        max_queue_len=args.max_queue_len,
                        grace_s=args.grace, num_decode_steps=args.decode_steps,
                        stream_decode_steps=args.stream_decode_steps, stream_interval=args.stream_interval,

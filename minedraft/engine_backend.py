@@ -73,6 +73,8 @@ def vllm_service_args(cfg, role: str, model_dir: str) -> list[str]:
         args += ["--tensor-parallel-size", str(cfg.tensor_parallel_size), "--num-speculative-tokens", str(k)]
     elif cfg.draft_sessions:
         args.append("--draft-sessions")
+    elif cfg.draft_proposer:   # tokens 2..k of a draft call from the proposer: one engine step per call
+        args += ["--draft-proposer-tokens", str(cfg.num_speculative_tokens - 1)]
     return args
 
 

@@ -89,6 +89,9 @@ class StackConfig:
         enforce_eager: vLLM engines without torch.compile / CUDA graphs.
         draft_sessions: the vLLM drafter keeps each request's draft request resident
             (``--draft-sessions``; ``specdec.vllm_backend.draft_sessions``).
+        draft_proposer: the vLLM drafter drafts with vLLM's own draft-model proposer, k - 1
+            tokens inside the step after each sampled one (``--draft-proposer``; the drafter's
+            ``--draft-proposer-tokens``): one engine step per draft call instead of k.
         api_key: the gateway's API key ("" = the gateway's default, ``$MINEDRAFT_API_KEY`` if set);
             passed in the gateway's environment, not on its command line.
         max_queue_len: the coordinator's waiting-request limit; grace_s: drain seconds on SIGTERM
@@ -140,6 +143,7 @@ class StackConfig:
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
     draft_sessions: bool = False
+    draft_proposer: bool = False
     api_key: str = ""
     max_queue_len: int = 1024
     grace_s: float = 5.0
@@ -184,6 +188,9 @@ class StackConfig:
                                        "must be in (0, 1]"),
         }
         checks["draft_sessions"] = (not self.draft_sessions or self.engine == "vllm", "needs --engine vllm")
+        checks["draft_proposer"] = (not self.draft_proposer or (self.engine == "vllm" and not self.draft_sessions
+                                                                and self.num_speculative_tokens >= 2),
+                                    "needs --engine vllm, k >= 2 and no --draft-sessions")
         if self.engine == "vllm":
             checks["data_plane"] = (self.data_plane == "inline", "must be inline with --engine vllm (only "
                                     "draft token ids travel: vLLM's rejection sampler needs no draft probs)")

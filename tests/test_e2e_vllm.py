@@ -11,7 +11,8 @@ ar's with more than 2m concurrent requests of different lengths; an abort mid-st
 slots of both engines; a stop token id inside an accepted block; seeded sampled requests repeat
 whatever shares the batch; the drafter killed mid-run falls back to ar and every stream completes
 with the ar output (last: it leaves the psd stack without a drafter); and psd with the drafter's
-resident draft sessions (``--draft-sessions``, a third stack start) equals ar too.
+resident draft sessions (``--draft-sessions``, a third stack start) and with drafts from vLLM's
+draft-model proposer (``--draft-proposer``, a fourth) equals ar too.
 """
 from __future__ import annotations
 
@@ -110,6 +111,19 @@ def test_psd_with_resident_draft_sessions_equals_ar_at_temperature_0(ar_referenc
     cfg = dataclasses.replace(_vllm_config("psd", model_dirs, str(tmp_path)), draft_sessions=True)
     with Stack(cfg) as stack:
         stack.start(model_dirs[0], log=lambda line: None)
+        results, status = _generate_all(stack.cfg), _status(stack.cfg)
+        assert status.effective_mode == "psd" and 0 < status.num_accepted_tokens < status.num_draft_tokens
+        assert [r.token_ids for r in results] == ar_reference["chat"]
+        _wait_slots_free(stack.cfg)
+
+
+def test_psd_drafting_with_vllms_proposer_equals_ar_at_temperature_0(ar_reference, model_dirs, tmp_path):
+    """``--draft-proposer``: the drafter's engine proposes tokens 2..k inside one engine step per
+    draft call; greedy outputs still equal ar's, drafts are partly accepted, every slot is free after."""
+    cfg = dataclasses.replace(_vllm_config("psd", model_dirs, str(tmp_path)), draft_proposer=True)
+    with Stack(cfg) as stack:
+        stack.start(model_dirs[0], log=lambda line: None)
+        assert "--draft-proposer-tokens" in stack.service("drafter").spec.argv
         results, status = _generate_all(stack.cfg), _status(stack.cfg)
         assert status.effective_mode == "psd" and 0 < status.num_accepted_tokens < status.num_draft_tokens
         assert [r.token_ids for r in results] == ar_reference["chat"]

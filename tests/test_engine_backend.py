@@ -132,3 +132,26 @@ def test_draft_sessions_reach_only_the_vllm_drafter_and_need_the_vllm_engine(cap
     with pytest.raises(SystemExit):
         parse_args(["--draft", "/d", "--draft-sessions"])
     assert "--draft-sessions: only with --engine vllm" in capsys.readouterr().err
+
+
+def test_the_draft_proposer_reaches_the_vllm_drafter_as_k_minus_1_proposer_tokens(capsys):
+    from drafter_svc.__main__ import parse_args
+    from minedraft.cli import build_parser, stack_config
+
+    drafter = _specs(mode="psd", draft_proposer=True, num_speculative_tokens=5)["drafter"].argv
+    at = drafter.index("--draft-proposer-tokens")
+    assert drafter[at + 1] == "4" and "--draft-sessions" not in drafter
+    assert "--draft-proposer-tokens" not in _specs(mode="psd")["drafter"].argv
+    assert "--draft-proposer-tokens" not in _specs(mode="psd", draft_proposer=True)["verifier"].argv
+    up = build_parser().parse_args(["up", "--engine", "vllm", "--draft-proposer"])
+    assert stack_config(up, "psd").draft_proposer
+    for bad in (dict(draft_proposer=True), dict(engine="vllm", draft_proposer=True, num_speculative_tokens=1),
+                dict(engine="vllm", draft_proposer=True, draft_sessions=True)):
+        with pytest.raises(ValueError, match="draft_proposer"):
+            StackConfig(**bad)
+    assert parse_args(["--draft", "/d", "--engine", "vllm", "--draft-proposer-tokens", "3"]).draft_proposer_tokens == 3
+    for argv in (["--draft-proposer-tokens", "3"], ["--engine", "vllm", "--draft-sessions", "--draft-proposer-tokens", "3"],
+                 ["--engine", "vllm", "--draft-proposer-tokens", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--draft", "/d", *argv])
+        assert "--draft-proposer-tokens" in capsys.readouterr().err

@@ -39,6 +39,9 @@ SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, inte
     ("ar-vllm-ds32-si4", SystemName("ours", "ar", "vllm", decode_steps=32, stream_interval=4)),
     ("ar-native-si1", SystemName("ours", "ar", "native", stream_interval=1)),
     ("ar-vllm-ms0", SystemName("ours", "ar", "vllm", stream_interval_ms=0)),
+    ("psd-vllm-prop", SystemName("ours", "psd", "vllm", draft_proposer=True)),
+    ("sd-vllm-adaptive-prop-vsm70", SystemName("ours", "sd", "vllm", adaptive_k=True, draft_proposer=True,
+                                               verifier_sm_percent=70)),
     ("ar-vllm-ds32-si4-ms20-adaptive", SystemName("ours", "ar", "vllm", decode_steps=32, stream_interval=4,
                                                   stream_interval_ms=20, adaptive_k=True)),
 ])
@@ -51,7 +54,7 @@ def test_parse_system_reads_every_form(name, expected):
                                   "ar-vllm-si65", "ar-vllm-si4-block", "ar-vllm-block-ds8", "ar-vllm-si4-ds8",
                                   "psd-vllm-vsm0", "psd-vllm-vsm101", "psd-vllm-vsm70-adaptive", "vllm-sd-k3-adaptive",
                                   "psd-vllm-ses-adaptive", "vllm-ar-ses", "ar-vllm-ms60001", "ar-vllm-ms20-si4",
-                                  "ar-vllm-msx"])
+                                  "ar-vllm-msx", "psd-vllm-ses-prop", "psd-vllm-prop-ses", "psd-vllm-prop-adaptive"])
 def test_parse_system_refuses_unknown_names_naming_them(name):
     with pytest.raises(ValueError, match=f"unknown system '{name}'"):
         parse_system(name)
@@ -59,7 +62,8 @@ def test_parse_system_refuses_unknown_names_naming_them(name):
         CompareConfig(out_dir="x", systems=("vllm-ar", name))
 
 
-@pytest.mark.parametrize("name", ["psd-vllm", "psd-vllm-adaptive", "auto-vllm", "sd-native-ds8-vsm60", "sd-vllm-ses"])
+@pytest.mark.parametrize("name", ["psd-vllm", "psd-vllm-adaptive", "auto-vllm", "sd-native-ds8-vsm60", "sd-vllm-ses",
+                                  "psd-vllm-prop"])
 def test_our_stack_config_carries_the_k_policy_and_the_verifier_sm_share(name, tmp_path):
     from bench.engines.compare_systems import our_stack_config
     from minedraft.placement import MPS_SM_ENV
@@ -74,6 +78,7 @@ def test_our_stack_config_carries_the_k_policy_and_the_verifier_sm_share(name, t
     assert stack.max_num_seqs == (4 if system.mode in ("psd", "auto") else 8)
     assert verifier_spec(stack, "/m").env.get(MPS_SM_ENV) == ("60" if "vsm60" in name else None)
     assert stack.draft_sessions == name.endswith("-ses")
+    assert stack.draft_proposer == name.endswith("-prop")
     if "vsm" in name:
         with pytest.raises(ValueError, match="needs --cuda-mps"):
             CompareConfig(out_dir="x", systems=(name,))

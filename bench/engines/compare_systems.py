@@ -1,12 +1,12 @@
 """The systems of ``bench.engines.engines_compare``: our stack on either engine backend, vLLM's own server.
 
-Names: ``<mode>-<engine>[-ds<N>][-si<S>|-block][-ms<T>][-adaptive][-ses][-vsm<P>]`` for ours (mode
+Names: ``<mode>-<engine>[-ds<N>][-si<S>|-block][-ms<T>][-adaptive][-ses|-prop][-vsm<P>]`` for ours (mode
 ``ar``/``sd``/``psd``/``auto``, engine ``vllm`` or ``native``; ``-ds<N>``: ``--decode-steps N`` for
 this system, else the run's; ``-si<S>``: ``--stream-interval S`` (else the default); ``-block``:
 ``--no-stream-decode-steps``, a multi-step call's tokens at its end; ``-ms<T>``:
 ``--stream-interval-ms T`` (0: partial messages by steps only); ``-adaptive``: ``--k-policy
 adaptive``, which ``auto`` always runs; ``-ses``: ``--draft-sessions``, the vLLM drafter's resident
-draft requests; ``-vsm<P>``: ``--cuda-mps-verifier-sm-percent P``), ``vllm-ar`` and
+draft requests; ``-prop``: ``--draft-proposer``, one engine step per draft call; ``-vsm<P>``: ``--cuda-mps-verifier-sm-percent P``), ``vllm-ar`` and
 ``vllm-sd-k<K>`` for vLLM. Start/stop and metrics are those of
 ``bench.common.systems.OursSystem`` / ``VllmSystem`` (subclassed: only the command lines differ).
 """
@@ -24,7 +24,7 @@ from minedraft.engine_backend import ENGINES, OWN_GPU_UTILIZATION, engine_python
 OUR_MODES = ("ar", "sd", "psd", "auto")
 _VLLM_SD = re.compile(r"^vllm-sd-k(\d+)$")
 _OURS = re.compile(r"^(?P<mode>[a-z]+)-(?P<engine>[a-z]+)(?:-ds(?P<ds>\d+))?(?:-si(?P<si>\d+)|(?P<block>-block))?"
-                   r"(?:-ms(?P<ms>\d+))?(?P<adaptive>-adaptive)?(?P<ses>-ses)?(?:-vsm(?P<vsm>\d+))?$")
+                   r"(?:-ms(?P<ms>\d+))?(?P<adaptive>-adaptive)?(?:(?P<ses>-ses)|(?P<prop>-prop))?(?:-vsm(?P<vsm>\d+))?$")
 SERVED_MODEL = "minedraft-bench-target"
 
 
@@ -41,6 +41,7 @@ class SystemName:
     adaptive_k: bool = False  # ours: --k-policy adaptive (auto: always)
     verifier_sm_percent: int = 100  # ours: --cuda-mps-verifier-sm-percent
     draft_sessions: bool = False  # ours: --draft-sessions
+    draft_proposer: bool = False  # ours: --draft-proposer
 
 
 def parse_system(name: str) -> SystemName:
@@ -61,9 +62,10 @@ def parse_system(name: str) -> SystemName:
                           stream_decode_steps=ours.group("block") is None,
                           stream_interval=int(ours.group("si")) if ours.group("si") else None, stream_interval_ms=ms,
                           adaptive_k=ours.group("adaptive") is not None or ours.group("mode") == "auto",
-                          verifier_sm_percent=vsm, draft_sessions=ours.group("ses") is not None)
+                          verifier_sm_percent=vsm, draft_sessions=ours.group("ses") is not None,
+                          draft_proposer=ours.group("prop") is not None)
     raise ValueError(f"systems: unknown system {name!r} (forms: vllm-ar, vllm-sd-k<K>, "
-                     f"<{'|'.join(OUR_MODES)}>-<{'|'.join(ENGINES)}>[-ds<N>][-si<S>|-block][-ms<T>][-adaptive][-ses][-vsm<P>], "
+                     f"<{'|'.join(OUR_MODES)}>-<{'|'.join(ENGINES)}>[-ds<N>][-si<S>|-block][-ms<T>][-adaptive][-ses|-prop][-vsm<P>], "
                      f"N and S in [1, 64], T in [0, {MAX_STREAM_INTERVAL_MS}], P in [1, 100])")
 
 
@@ -85,6 +87,7 @@ def our_stack_config(system: SystemName, cfg, logs_dir: str, step_log: str):
         max_model_len=cfg.max_model_len, dtype=cfg.dtype, device=cfg.device,
         drafter_gpu=cfg.drafter_gpu if is_cuda else -1, cuda_mps=cfg.cuda_mps and is_cuda,
         verifier_sm_percent=system.verifier_sm_percent, draft_sessions=system.draft_sessions,
+        draft_proposer=system.draft_proposer,
         bench_fixed_acceptance=cfg.fixed_acceptance, enforce_eager=cfg.enforce_eager,
         k_policy="adaptive" if system.adaptive_k else "fixed",
         balancer="feedback" if system.mode == "auto" else "paper",

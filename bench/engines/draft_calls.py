@@ -8,7 +8,9 @@ FULL_AND_PIECEWISE, piecewise graphs for the catch-up step; ``vllm-default``: vL
 block size, 128 on CPU and 16 on CUDA, a step budget of ``max(max_model_len, max_num_seqs)`` and
 its default graphs, FULL_AND_PIECEWISE up to ``2 x max_num_seqs`` tokens, the drafter before
 session 20; ``sessions``: ``drafting``'s engine without prefix caching behind
-``VllmSessionDraftWorker``, resident draft requests); then at each ``--rows`` n, the set-ups in turn: n requests with prompts of P + 5 i tokens
+``VllmSessionDraftWorker``, resident draft requests; ``proposer``: ``drafting``'s engine with
+``proposer_tokens`` k - 1, vLLM's draft-model proposer drafting tokens 2..k inside the call's one
+engine step, ``--draft-proposer``); then at each ``--rows`` n, the set-ups in turn: n requests with prompts of P + 5 i tokens
 (``--prompt-tokens`` P, 8 by default; the stack's Spec-Bench prompts average a few hundred) are
 admitted, and ``--num-calls`` draft calls of k tokens follow, each after committing 1 to k + 1
 random tokens per row (the tokens a verify step commits). Per call: wall ms, engine steps, ms in
@@ -33,7 +35,7 @@ import random
 import sys
 import time
 
-SETUPS = ("drafting", "drafting-piecewise", "vllm-default", "sessions")
+SETUPS = ("drafting", "drafting-piecewise", "vllm-default", "sessions", "proposer")
 
 
 def _parse(argv):
@@ -128,6 +130,8 @@ def _config(a, setup: str, model: str, load_format: str, max_num_seqs: int):
         return dataclasses.replace(cfg, cudagraph_mode=VLLM_CUDAGRAPH_MODE)
     if setup == "sessions":
         return dataclasses.replace(cfg, enable_prefix_caching=False)
+    if setup == "proposer":
+        return dataclasses.replace(cfg, proposer_tokens=a.k - 1)
     return cfg
 
 

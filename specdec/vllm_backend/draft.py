@@ -16,6 +16,13 @@ catch-up recompute up to 127 tokens a row, and 16 rows' catch-ups overflowed one
 budget: 5.7 steps per k = 4 call, 4.0 after), a step budget that holds every row's catch-up,
 and on CUDA whole CUDA graphs captured up to that step size (the catch-up step ran without them).
 
+With ``proposer_tokens`` n (``--draft-proposer``: n = k - 1) the engine carries vLLM's own
+``draft_model`` proposer with this same model: the step that catches up and samples a row's first
+token also proposes its next n tokens, greedily, inside the step, so a call of k_i <= n + 1 takes
+one engine step instead of k_i (``_complete_from_proposals``; the rows leave the engine after it).
+The drafts are then the sampled first token and its greedy continuation: still lossless, as the
+verifier treats every draft token as a one-hot q (below).
+
 Draft tokens are sampled with the request's temperature / top-k / top-p / min-p; a seeded
 request gets a seed per draft call derived from its seed and its committed length, so a seeded
 run is reproducible. Draft probabilities are not returned (``None``): vLLM's rejection sampler
@@ -35,7 +42,7 @@ from specdec.sample.sampling import NO_LOGPROBS, SamplingParams
 from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
 from specdec.vllm_backend.call_stats import DraftCallStats
 from specdec.vllm_backend.engine import (VLLM_BLOCK_SIZE, VllmEngineConfig, build_engine, drain,
-                                         refusals_as_value_errors, to_vllm_sampling)
+                                         refusals_as_value_errors, scheduler_of, to_vllm_sampling)
 from specdec.vllm_backend.outputs import core_step, engine_facts
 from specdec.engine.worker_base import DraftCapacityError
 
@@ -203,35 +210,60 @@ class VllmDraftWorker:
                                                             to_vllm_sampling(params, n, seed=seed, with_logprobs=False)))
                 rows[vllm_ids[-1]] = rid
             stats.admitted()
-            tokens = self._step_until_done(rows, max(n for _, _, n, _ in jobs.values()), stats)
+            tokens = self._step_until_done(rows, {rid: n for rid, (_, _, n, _) in jobs.items()}, stats)
         except BaseException:
             if vllm_ids:
                 self.engine.abort_request(vllm_ids, internal=True)
             raise
-        # they ended in the engine core; core_step left their states in the output processor
-        self.engine.output_processor.abort_requests(vllm_ids, internal=True)
+        if self.cfg.proposer_tokens:   # rows whose proposals ended them still run in the engine core
+            self.engine.abort_request(vllm_ids, internal=True)
+        else:   # they ended in the engine core; core_step left their states in the output processor
+            self.engine.output_processor.abort_requests(vllm_ids, internal=True)
         return tokens
 
-    def _step_until_done(self, rows: dict[str, str], max_tokens: int, stats: DraftCallStats) -> dict[str, list[int]]:
+    def _step_until_done(self, rows: dict[str, str], wants: dict[str, int], stats: DraftCallStats) -> dict[str, list[int]]:
         """Step the engine until every engine request of ``rows`` ({vLLM's internal request id: row
-        id}) has sampled its tokens (at most ``max_tokens``; each step marked in ``stats``); those
+        id}) has its tokens (``wants``: how many per row id; each step marked in ``stats``); those
         tokens per row id. Each step is read from the engine core (``core_step``: no output
-        processor). Raises RuntimeError if they do not finish within ``MAX_DRAFT_STEPS_SLACK`` extra steps."""
+        processor). With ``proposer_tokens`` a row is done once its sampled tokens and the
+        proposals vLLM's draft-model proposer made after them in the same step make ``wants``
+        (``proposed_tokens``); a row they do not complete (a catch-up over several steps, k_i above
+        ``proposer_tokens + 1``) goes on as a request of vLLM's own speculative decoding, whose
+        verified proposals come out of its later steps. Raises RuntimeError if they do not finish within
+        ``MAX_DRAFT_STEPS_SLACK`` extra steps."""
         tokens: dict[str, list[int]] = {rid: [] for rid in rows.values()}
         pending = set(tokens)
         names = {vllm_id: (rid, NO_LOGPROBS) for vllm_id, rid in rows.items()}
-        for _ in range(max_tokens + MAX_DRAFT_STEPS_SLACK):
+        for _ in range(max(wants.values()) + MAX_DRAFT_STEPS_SLACK):
             outputs = core_step(self.engine, names)
             stats.stepped()
             for rid, output in outputs.items():
-                tokens[rid] += output.token_ids
-                if output.finish_reason is not None:
-                    pending.discard(rid)
+                if rid in pending:
+                    tokens[rid] += output.token_ids
+                    if output.finish_reason is not None:
+                        pending.discard(rid)
+            if self.cfg.proposer_tokens:
+                self._complete_from_proposals(rows, wants, tokens, pending)
             if not pending:
                 drain(self.engine)   # async scheduling: a step scheduled past the end
                 stats.end()
                 return tokens
         raise RuntimeError(f"vLLM drafting did not finish: {sorted(pending)}")
+
+    def _complete_from_proposals(self, rows: dict[str, str], wants: dict[str, int], tokens: dict[str, list[int]],
+                                 pending: set[str]) -> None:
+        """After a step: each pending row whose sampled tokens and the proposals after them make
+        its ``wants`` takes those proposals and leaves the engine (aborted: no step more); the
+        others' tokens come out of later steps, where vLLM verifies the proposals."""
+        done = []
+        for vllm_id, rid in rows.items():
+            need = wants[rid] - len(tokens[rid])
+            if rid in pending and tokens[rid] and len(proposed := proposed_tokens(self.engine, vllm_id)) >= need:
+                tokens[rid] += proposed[:need]
+                done.append(vllm_id)
+                pending.discard(rid)
+        if done:
+            self.engine.abort_request(done, internal=True)
 
     def release(self, request_id: str) -> None:
         """Forget the request (its cached prefix blocks age out of vLLM's prefix cache).
@@ -244,6 +276,14 @@ class VllmDraftWorker:
 
 
 _UNTIMED = DraftCallStats(log_every=0)   # admissions: not draft calls
+
+
+def proposed_tokens(engine, vllm_id: str) -> list[int]:
+    """The draft tokens vLLM's proposer made for request ``vllm_id`` in the engine's last step
+    (``Request.spec_token_ids``, set after the step by ``Scheduler.update_draft_token_ids``); []
+    once it finished or where none were made (a prefill chunk)."""
+    request = scheduler_of(engine).requests.get(vllm_id)
+    return [] if request is None or request.is_finished() else list(request.spec_token_ids)
 
 
 def _call_seed(seed: int, num_committed: int) -> int:

@@ -43,12 +43,14 @@ class VllmSessionDraftWorker(VllmDraftWorker):
     """``VllmDraftWorker`` with resident draft sessions (module docstring); the same arguments.
 
     Raises:
-        ValueError: prefix caching on (``cfg.enable_prefix_caching`` must be False), or as
-            ``VllmDraftWorker``.
+        ValueError: prefix caching on (``cfg.enable_prefix_caching`` must be False),
+            ``cfg.proposer_tokens`` set, or as ``VllmDraftWorker``.
     """
 
     def __init__(self, cfg: VllmEngineConfig, target_vocab_size: int | None = None, seed: int | None = None,
                  engine=None) -> None:
+        if cfg.proposer_tokens:
+            raise ValueError("proposer_tokens: not with draft sessions (a session's proposals would outlive its call)")
         super().__init__(cfg, target_vocab_size, seed, engine)
         self._sessions: dict[str, _Session] = {}
         self._scheduler = scheduler_of(self.engine)
@@ -71,7 +73,8 @@ class VllmSessionDraftWorker(VllmDraftWorker):
                         supported_tasks=self.engine.get_supported_tasks(), resumable=True)
                     sessions[rid] = _Session(self.engine.add_request(core_request.request_id, core_request, params),
                                              list(req.committed), len(req.committed), len(req.committed))
-            sampled = self._step_until_done({s.vllm_id: rid for rid, s in sessions.items()}, 1, _UNTIMED)
+            sampled = self._step_until_done({s.vllm_id: rid for rid, s in sessions.items()}, dict.fromkeys(sessions, 1),
+                                            _UNTIMED)
         except BaseException:
             self._abort(sessions)
             raise
@@ -91,8 +94,8 @@ class VllmSessionDraftWorker(VllmDraftWorker):
                                                to_vllm_sampling(params, k_i, seed=seed, with_logprobs=False))
                 calls[rid] = session
             self.call_stats.admitted()
-            drafted = self._step_until_done({calls[rid].vllm_id: rid for rid in jobs}, max(k for *_, k, _ in jobs.values()),
-                                            self.call_stats)
+            drafted = self._step_until_done({calls[rid].vllm_id: rid for rid in jobs},
+                                            {rid: k_i for rid, (*_, k_i, _) in jobs.items()}, self.call_stats)
         except BaseException:   # a session left half-resumed cannot be trusted again: forget the call's rows
             self._abort({rid: self._sessions[rid] for rid in jobs})
             for rid in jobs:

@@ -81,6 +81,11 @@ class VllmEngineConfig:
         async_scheduling: vLLM's async scheduling (step i + 1 scheduled while step i runs), for
             an engine without speculation (the drafter, and the verifier of ``ar``); vLLM's CPU
             platform turns it off. The scheduler is ``PsdAsyncScheduler`` then.
+        proposer_tokens: draft engine only: n > 0 gives the engine a proposer of its own, vLLM's
+            ``draft_model`` speculative method with this same model, which after each step's
+            sampled token proposes the next n greedy tokens inside the step (n more forward
+            passes, no more engine steps); ``VllmDraftWorker`` takes them as the draft's tokens
+            2..n+1, so a draft call of k <= n + 1 takes one engine step instead of k (0: off).
     """
 
     model: str
@@ -102,6 +107,7 @@ class VllmEngineConfig:
     cudagraph_mode: str | None = None
     seed: int = 0
     async_scheduling: bool = False
+    proposer_tokens: int = 0
 
     def __post_init__(self) -> None:
         checks = {
@@ -126,8 +132,10 @@ class VllmEngineConfig:
                                            or self.max_cudagraph_capture_size >= 1, "must be >= 1"),
             "cudagraph_mode": (self.cudagraph_mode in (None,) + CUDAGRAPH_MODES,
                                f"must be one of {CUDAGRAPH_MODES}"),
-            "async_scheduling": (not self.async_scheduling or self.num_speculative_tokens == 0,
-                                 "needs num_speculative_tokens 0 (verify steps are one per call)"),
+            "async_scheduling": (not self.async_scheduling or self.num_speculative_tokens == self.proposer_tokens == 0,
+                                 "needs num_speculative_tokens and proposer_tokens 0 (verify steps are one per call)"),
+            "proposer_tokens": (self.proposer_tokens >= 0 and not (self.proposer_tokens and self.num_speculative_tokens),
+                                "must be >= 0, and 0 where num_speculative_tokens is set (a target engine)"),
         }
         for name, (is_ok, reason) in checks.items():
             if not is_ok:
@@ -137,7 +145,7 @@ class VllmEngineConfig:
     def batched_tokens(self) -> int:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return max(self.max_model_len, self.max_num_seqs * (self.num_speculative_tokens + 1))
+        return max(self.max_model_len, self.max_num_seqs * (max(self.num_speculative_tokens, self.proposer_tokens) + 1))
 
     @property
     def chunked_prefill(self) -> bool:
@@ -161,6 +169,8 @@ class VllmEngineConfig:
 
     def speculative_config(self) -> dict | None:
         """vLLM's ``speculative_config`` (None without speculation)."""
+        if self.proposer_tokens:
+            return {"method": "draft_model", "model": self.model, "num_speculative_tokens": self.proposer_tokens}
         if self.num_speculative_tokens == 0:
             return None
         config = {"method": "custom_class", "model": PROPOSER_CLS,
