@@ -76,7 +76,8 @@ class Postprocess:
         padded width on a GPU)."""
         sent_s = time.time() - rpc_ms / 1e3   # run as the call returns: _commit_group's first work
         times.phases.append(Phase("verifier", batch, start_s, response.verify_ms, rpc_ms, len(reqs),
-                                  response.service_ms, sent_s, response.service_start_s))
+                                  response.service_ms, sent_s, response.service_start_s,
+                                  response.engine_core_ms, response.num_engine_steps))
         times.verify_ms += response.verify_ms
         times.data_plane_ms += response.data_plane_ms
         # verify cost is fitted at the call's widest row (its padded width on a GPU), per decode

@@ -47,6 +47,9 @@ class Phase:
         sent_s: when the RPC itself was sent (Unix s; ``start_s`` is earlier by the request's
             building); service_start_s: when the service's handler started (Unix s; 0: not
             reported). ``service_start_s - sent_s`` is the request's transport (one host, one clock).
+        core_ms, core_steps: a vLLM verifier's time in vLLM's engine-core steps and their number
+            (``VerifyResponse.engine_core_ms`` / ``num_engine_steps``; 0: not reported);
+            ``compute_ms - core_ms`` is its worker's own work around them.
     """
 
     engine: str
@@ -58,6 +61,8 @@ class Phase:
     service_ms: float = 0.0
     sent_s: float = 0.0
     service_start_s: float = 0.0
+    core_ms: float = 0.0
+    core_steps: int = 0
 
 
 @dataclass

@@ -108,6 +108,16 @@ def test_rpc_extra_splits_into_service_and_transport_when_every_critical_call_re
     assert "critical_request_transport_ms" not in critical_call_overhead([timed, step])   # one call without them
 
 
+def test_a_vllm_verifiers_compute_splits_per_engine_step_into_its_engine_core_and_the_worker():
+    # a 32-step Verify call: 205 ms of compute, 198.4 ms of it in vLLM's engine core
+    call = {"engine": "verifier", "start_s": 5.0002, "rpc_ms": 208.0, "compute_ms": 205.0, "core_ms": 198.4, "core_steps": 32}
+    step = {"start_s": 5.0, "wall_ms": 209.0, "is_parallel": False, "phases": [call]}
+    parts = critical_call_overhead([step], prefix="serial")
+    assert parts["serial_core_per_step_ms"] == pytest.approx(6.2) and parts["serial_worker_per_step_ms"] == pytest.approx(0.20625)
+    native = {**step, "phases": [{**call, "core_ms": 0.0, "core_steps": 0}]}   # the native engine reports none
+    assert "serial_core_per_step_ms" not in critical_call_overhead([step, native], prefix="serial")
+
+
 def test_step_split_reports_the_serial_steps_call_overhead_apart(tmp_path):
     """``ar``'s steps (one Verify call, not parallel) get ``serial_*``, psd's parallel ones ``critical_*``."""
     serial = {"start_s": 5.0, "draft_ms": 0.0, "verify_ms": 100.0, "data_plane_ms": 0.0, "idle_ms": 5.0, "wall_ms": 105.0,

@@ -12,11 +12,13 @@ slots of both engines; a stop token id inside an accepted block; seeded sampled 
 whatever shares the batch; the drafter killed mid-run falls back to ar and every stream completes
 with the ar output (last: it leaves the psd stack without a drafter); and psd with the drafter's
 resident draft sessions (``--draft-sessions``, a third stack start) and with drafts from vLLM's
-draft-model proposer (``--draft-proposer``, a fourth) equals ar too.
+draft-model proposer (``--draft-proposer``, a fourth; its step log shows the verifier's engine-core
+time per call) equals ar too.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -120,7 +122,8 @@ def test_psd_with_resident_draft_sessions_equals_ar_at_temperature_0(ar_referenc
 def test_psd_drafting_with_vllms_proposer_equals_ar_at_temperature_0(ar_reference, model_dirs, tmp_path):
     """``--draft-proposer``: the drafter's engine proposes tokens 2..k inside one engine step per
     draft call; greedy outputs still equal ar's, drafts are partly accepted, every slot is free after."""
-    cfg = dataclasses.replace(_vllm_config("psd", model_dirs, str(tmp_path)), draft_proposer=True)
+    step_log = str(tmp_path / "steps.jsonl")
+    cfg = dataclasses.replace(_vllm_config("psd", model_dirs, str(tmp_path)), draft_proposer=True, step_log=step_log)
     with Stack(cfg) as stack:
         stack.start(model_dirs[0], log=lambda line: None)
         assert "--draft-proposer-tokens" in stack.service("drafter").spec.argv
@@ -128,6 +131,10 @@ def test_psd_drafting_with_vllms_proposer_equals_ar_at_temperature_0(ar_referenc
         assert status.effective_mode == "psd" and 0 < status.num_accepted_tokens < status.num_draft_tokens
         assert [r.token_ids for r in results] == ar_reference["chat"]
         _wait_slots_free(stack.cfg)
+    # the vLLM verifier reports each call's time in vLLM's engine core (VerifyResponse.engine_core_ms)
+    with open(step_log, encoding="utf-8") as f:
+        verifies = [p for line in f for p in json.loads(line)["phases"] if p["engine"] == "verifier"]
+    assert verifies and all(p["core_steps"] >= 1 and 0 < p["core_ms"] <= p["compute_ms"] for p in verifies)
 
 
 def test_sd_output_equals_ar_at_temperature_0(psd_stack, model_dirs, ar_reference, tmp_path):

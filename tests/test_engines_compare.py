@@ -220,7 +220,7 @@ def test_markdown_has_a_row_per_system_the_ratios_and_the_greedy_check():
     assert "| 1 | psd-vllm / vllm-sd-k4 = 1.20x | psd-vllm 1.80x, ar-vllm 0.90x | psd-vllm 1.20x (vllm-sd-k4) |" in text
     assert "- psd-vllm c=1: 3/4" in text and "k = 3 (ours), m = 2" in text
     assert "BENCHMARK-ONLY" not in text and "FAILED" not in text
-    assert "| vllm-ar | 1 | 10 | 100 | - / - | 2.50 | - | - | - | - | - | 1 |" in text   # failed requests, not error kinds
+    assert "| vllm-ar | 1 | 10 | 100 | - | - / - | 2.50 | - | - | - | - | - | - | 1 |" in text   # failed requests, not error kinds
 
 
 def test_around_the_call_prefers_psds_parallel_steps_then_the_others():
@@ -244,6 +244,15 @@ def test_rpc_extra_split_shows_service_and_transport_of_the_same_steps_as_around
                             "serial_response_transport_ms": 1.25}) == "0.75 / 2.25 (1.00 + 1.25)"
     assert rpc_extra_split({**split, "critical_rpc_extra_ms": 2.0, "critical_service_extra_ms": 0.5,
                             "critical_transport_ms": 1.5}) == "0.50 / 1.50"
+
+
+def test_per_engine_step_shows_the_verifiers_engine_core_and_worker_ms():
+    from bench.engines.report_compare import per_engine_step
+
+    assert per_engine_step({"serial_lead_ms": 0.5}) == "-"   # the native engine, vLLM's own server
+    assert per_engine_step({"serial_core_per_step_ms": 6.2, "serial_worker_per_step_ms": 0.21}) == "6.20 + 0.21"
+    assert per_engine_step({"critical_core_per_step_ms": 3.0, "critical_worker_per_step_ms": 0.5,
+                            "serial_core_per_step_ms": 6.2, "serial_worker_per_step_ms": 0.21}) == "3.00 + 0.50"
 
 
 def test_markdown_labels_fixed_acceptance_and_lists_failures():

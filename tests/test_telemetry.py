@@ -211,6 +211,7 @@ def test_step_log_phases_carry_each_services_own_time_on_the_call(traced_run):
         phases = [phase for line in f for phase in json.loads(line)["phases"]]
     assert {p["engine"] for p in phases} == {"drafter", "verifier"}
     assert all(p["compute_ms"] <= p["service_ms"] <= p["rpc_ms"] for p in phases)
+    assert all(p["core_ms"] == p["core_steps"] == 0 for p in phases)   # no vLLM engine core in the native engine
     # the handler starts after the RPC is sent and ends before its answer arrives (one clock; the
     # send time is the receipt's minus rpc_ms, so allow a few hundred microseconds either way)
     assert all(p["start_s"] <= p["sent_s"] <= p["service_start_s"] + 3e-4 for p in phases)

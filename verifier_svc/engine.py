@@ -154,8 +154,12 @@ class VerifierEngine:
         with _tracer.start_as_current_span("verifier.verify", attributes={"minedraft.batch_size": len(ids),
                                                                           "minedraft.k": int(draft_ids.shape[1])}):
             outputs = self._apply_verify(command, probs, on_step)
-        return engine_pb2.VerifyResponse(step_id=request.step_id, outputs=outputs,
-                                         verify_ms=elapsed_ms(start), data_plane_ms=data_plane_ms)
+        response = engine_pb2.VerifyResponse(step_id=request.step_id, outputs=outputs,
+                                             verify_ms=elapsed_ms(start), data_plane_ms=data_plane_ms)
+        core = getattr(self.worker, "last_call", None)   # the vLLM worker's engine-core time (CoreTime)
+        if core is not None:
+            response.engine_core_ms, response.num_engine_steps = core.ms, core.num_steps
+        return response
 
     def release(self, request: engine_pb2.ReleaseRequest) -> int:
         """Free the slots of the active ids among ``request.request_ids``; returns how many."""

@@ -147,7 +147,10 @@ def critical_call_overhead(steps: list[dict], prefix: str = "critical") -> dict:
     phases also have the RPC's send time and the handler's start (``sent_s``,
     ``service_start_s``: one host, one clock), the transport splits into
     ``<prefix>_request_transport_ms`` (send to the handler's start) and
-    ``<prefix>_response_transport_ms`` (the handler's end to the coordinator's receipt).
+    ``<prefix>_response_transport_ms`` (the handler's end to the coordinator's receipt). When
+    a vLLM verifier reported its engine-core time (``core_steps`` > 0), the call's compute per
+    engine step splits into ``<prefix>_core_per_step_ms`` (vLLM's engine core) and
+    ``<prefix>_worker_per_step_ms`` (the worker's own work around it).
     ``step_split`` reports them as ``critical_*`` over psd's parallel steps and ``serial_*`` over
     the others (e.g. ``ar``'s, one Verify call each). Empty when no step has phases."""
     rows = [_call_parts(step) for step in steps if step.get("phases")]
@@ -171,6 +174,10 @@ def _call_parts(step: dict) -> dict:
         if sent_s > 0 and service_start_s > 0:
             request_ms = (service_start_s - sent_s) * 1e3
             parts.update(request_transport=request_ms, response_transport=parts["transport"] - request_ms)
+    core_steps = int(last.get("core_steps") or 0)
+    if core_steps > 0:
+        core_ms = float(last["core_ms"])
+        parts.update(core_per_step=core_ms / core_steps, worker_per_step=(last["compute_ms"] - core_ms) / core_steps)
     return parts
 
 

@@ -105,6 +105,16 @@ def rpc_extra_split(split: dict) -> str:
     return "-"
 
 
+def per_engine_step(split: dict) -> str:
+    """``core + worker`` ms per engine step of the verifier's calls (vLLM's engine core, then the
+    worker's own work around it), same steps as ``around_the_call``; "-" where not reported."""
+    for prefix in ("critical", "serial"):
+        parts = [split.get(f"{prefix}_{name}_per_step_ms") for name in ("core", "worker")]
+        if None not in parts:
+            return f"{parts[0]:.2f} + {parts[1]:.2f}"
+    return "-"
+
+
 def markdown(results: dict, cfg) -> str:
     """Tables: tok/s per system and concurrency, latency/TTFT/acceptance, ratios, greedy check."""
     runs = [r for r in results["runs"] if "metrics" in r]
@@ -126,16 +136,18 @@ def markdown(results: dict, cfg) -> str:
     lines += ["", "TTFT p50 / latency p50 / inter-token latency p99 and max (ms), mean acceptance length, step split (ms: draft / verify / wall; "
               "around the call: the coordinator and gRPC around the step's last-ending engine call, "
               "lead + RPC beyond its compute + tail, psd's parallel steps else the others; its RPC part "
-              "split into the service's own time / gRPC transport and client (request + response)):", "",
-              "| system | c | TTFT p50 | latency p50 | ITL p99 / max | accept len | draft | verify | step wall "
-              "| around the call | RPC: service / transport | failed requests |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "split into the service's own time / gRPC transport and client (request + response); TPOT p50: "
+              "ms per output token after the first; per engine step: of a vLLM verifier's call, ms in vLLM's "
+              "engine core + the worker's own work, per engine step):", "",
+              "| system | c | TTFT p50 | latency p50 | TPOT p50 | ITL p99 / max | accept len | draft | verify "
+              "| per engine step | step wall | around the call | RPC: service / transport | failed requests |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         m, split = r["metrics"], r.get("step_split") or {}
         lines.append(f"| {r['system']} | {r['concurrency']} | {_fmt(m['ttft_ms_p50'], 0)} | {_fmt(m['latency_ms_p50'], 0)} "
-                     f"| {_fmt(m.get('itl_ms_p99'), 0)} / {_fmt(m.get('itl_ms_max'), 0)} "
+                     f"| {_fmt(m.get('tpot_ms_p50'), 2)} | {_fmt(m.get('itl_ms_p99'), 0)} / {_fmt(m.get('itl_ms_max'), 0)} "
                      f"| {_fmt(m['mean_acceptance_length'], 2)} | {_fmt(split.get('draft_ms'), 2)} "
-                     f"| {_fmt(split.get('verify_ms'), 2)} | {_fmt(split.get('wall_ms'), 2)} "
+                     f"| {_fmt(split.get('verify_ms'), 2)} | {per_engine_step(split)} | {_fmt(split.get('wall_ms'), 2)} "
                      f"| {_fmt(around_the_call(split), 2)} | {rpc_extra_split(split)} | {m['num_errors']} |")
     lines += ["", "Ratios (tok/s):", "", "| c | best ours / best vLLM | ours / vllm-ar | psd / best vllm-sd |",
               "|---|---|---|---|"]

@@ -178,7 +178,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., draft_token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., has_draft_probs: _Optional[bool] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ..., draft_step_id: _Optional[int] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., num_decode_steps: _Optional[int] = ..., stream_interval: _Optional[int] = ..., max_decode_steps: _Optional[_Iterable[int]] = ..., stream_interval_ms: _Optional[int] = ..., stream_joined: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("step_id", "outputs", "verify_ms", "data_plane_ms", "is_partial", "service_ms", "service_start_s")
+    __slots__ = ("step_id", "outputs", "verify_ms", "data_plane_ms", "is_partial", "service_ms", "service_start_s", "engine_core_ms", "num_engine_steps")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +186,8 @@ class VerifyResponse(_message.Message):
     IS_PARTIAL_FIELD_NUMBER: _ClassVar[int]
     SERVICE_MS_FIELD_NUMBER: _ClassVar[int]
     SERVICE_START_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_CORE_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     outputs: _containers.RepeatedCompositeFieldContainer[SeqOutput]
     verify_ms: float
@@ -193,4 +195,6 @@ class VerifyResponse(_message.Message):
     is_partial: bool
     service_ms: float
     service_start_s: float
-    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[SeqOutput, _Mapping]]] = ..., verify_ms: _Optional[float] = ..., data_plane_ms: _Optional[float] = ..., is_partial: _Optional[bool] = ..., service_ms: _Optional[float] = ..., service_start_s: _Optional[float] = ...) -> None: ...
+    engine_core_ms: float
+    num_engine_steps: int
+    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[SeqOutput, _Mapping]]] = ..., verify_ms: _Optional[float] = ..., data_plane_ms: _Optional[float] = ..., is_partial: _Optional[bool] = ..., service_ms: _Optional[float] = ..., service_start_s: _Optional[float] = ..., engine_core_ms: _Optional[float] = ..., num_engine_steps: _Optional[int] = ...) -> None: ...

@@ -36,6 +36,20 @@ class CoreOutput:
         return CoreOutput(self.token_ids[1:], None if self.logprobs is None else self.logprobs[1:], self.finish_reason)
 
 
+@dataclass
+class CoreTime:
+    """One call's engine steps and their time in vLLM's engine core (``core_step``: schedule, run,
+    update; under async scheduling also the wait for the GPU). The call's wall time beyond
+    ``ms`` is the worker's own per-step work (step hook, row ends, joins, outputs)."""
+
+    ms: float = 0.0
+    num_steps: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.ms += seconds * 1e3
+        self.num_steps += 1
+
+
 def core_step(engine, names: dict) -> dict:
     """{request id (ours): ``CoreOutput``} of one step of ``engine``'s engine core, read from
     ``engine.engine_core.get_output()`` instead of ``LLMEngine.step()``: vLLM's output processor,

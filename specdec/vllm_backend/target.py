@@ -22,6 +22,7 @@ and releases it), and each call runs one ``PsdScheduler`` step on exactly the na
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from specdec.engine.worker_base import decode_step_caps
@@ -32,7 +33,7 @@ from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
 from specdec.vllm_backend.engine import (VllmEngineConfig, build_engine, refusals_as_value_errors, scheduler_of,
                                          to_vllm_sampling)
 from specdec.vllm_backend.joining import CallJoins, JoiningCallsMixin
-from specdec.vllm_backend.outputs import StepDelta, core_step, engine_facts, step_output, streamer
+from specdec.vllm_backend.outputs import CoreTime, StepDelta, core_step, engine_facts, step_output, streamer
 from specdec.vllm_backend.row_ends import RowEnds
 from specdec.vllm_backend.scheduler import PsdStep
 
@@ -63,6 +64,7 @@ class VllmTargetWorker(JoiningCallsMixin):
         self._names: dict[str, tuple[str, int]] = {}   # vLLM's id -> (ours, top logprobs asked): core_step
         self._facts = engine_facts(self.engine, cfg)
         self._joins = CallJoins()  # requests joining a running multi-step call
+        self.last_call = CoreTime()   # the last verify / decode call's time in vLLM's engine core
 
     def facts(self) -> EngineFacts:
         return self._facts.with_free_slots(self.cfg.max_num_seqs - len(self._requests))
@@ -254,11 +256,14 @@ class VllmTargetWorker(JoiningCallsMixin):
         # the named rows whose part in the call is not done (ours -> vLLM id): a row's state
         # changes only in a step that gives it output, so only those rows are looked at again
         left = {by_vllm_id.get(v, v): v for v in step.request_ids}
+        self.last_call = timed = CoreTime()
         try:
             for _ in range(step.num_steps + MAX_PREFILL_STEPS):
                 if takes_joins and left and self._joins.has_pending():
                     joined += self._take_joins(ends.steps_left(step.request_ids, by_vllm_id, merged), ends)
+                start = time.perf_counter()
                 outputs = core_step(self.engine, self._names)
+                timed.add(time.perf_counter() - start)
                 for rid, output in outputs.items():
                     merged.setdefault(rid, StepDelta()).add(output)
                 final = ends.after_step(outputs, merged)

@@ -275,6 +275,19 @@ def test_the_verifier_engine_streams_joined_rows_only_when_asked(worker, stream_
         engine.release(engine_pb2.ReleaseRequest(request_ids=["x", "j"]))
 
 
+def test_the_verifier_engine_reports_its_calls_engine_core_time(worker) -> None:
+    engine = VerifierEngine(worker, seed=0)
+    engine.add(engine_pb2.AddRequestsRequest(seqs=[engine_pb2.SeqInit(request_id="x", prompt_token_ids=_prompt(13, 6))]))
+    try:
+        for num_steps in (6, 3):
+            response = engine.verify(engine_pb2.VerifyRequest(request_ids=["x"], num_decode_steps=num_steps),
+                                     engine_pb2.DATA_PLANE_INLINE)
+            assert len(response.outputs[0].token_ids) == num_steps == response.num_engine_steps   # one step per token
+            assert 0 < response.engine_core_ms < response.verify_ms
+    finally:
+        engine.release(engine_pb2.ReleaseRequest(request_ids=["x"]))
+
+
 def test_psd_step_join_gives_one_step_and_keeps_the_counts() -> None:
     step = PsdStep(frozenset({"a"}), num_steps=8)
     assert step.quota("a") == 8 and step.quota("b") == 8
