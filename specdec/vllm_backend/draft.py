@@ -210,7 +210,8 @@ class VllmDraftWorker:
                                                             to_vllm_sampling(params, n, seed=seed, with_logprobs=False)))
                 rows[vllm_ids[-1]] = rid
             stats.admitted()
-            tokens = self._step_until_done(rows, {rid: n for rid, (_, _, n, _) in jobs.items()}, stats)
+            tokens = self._step_until_done(rows, {rid: n for rid, (_, _, n, _) in jobs.items()}, stats,
+                                           use_proposals=self._proposals_serve(jobs))
         except BaseException:
             if vllm_ids:
                 self.engine.abort_request(vllm_ids, internal=True)
@@ -221,11 +222,23 @@ class VllmDraftWorker:
             self.engine.output_processor.abort_requests(vllm_ids, internal=True)
         return tokens
 
-    def _step_until_done(self, rows: dict[str, str], wants: dict[str, int], stats: DraftCallStats) -> dict[str, list[int]]:
+    def _proposals_serve(self, jobs: dict[str, tuple[list[int], SamplingParams, int, int]]) -> bool:
+        """Whether this call's rows take the proposer's tokens: ``proposer_tokens`` on, no row with
+        penalties (the proposer drafts the plain argmax; the k-step drafts apply them, which the
+        verifier then accepts more often) and no row within ``proposer_tokens`` of
+        ``max_model_len`` (vLLM's CPU build then proposes 0 for every row of the step). Otherwise the
+        call runs as vLLM's own speculative steps, one verified token or more per step: the same
+        tokens as k-step drafting, in up to k_i steps."""
+        return bool(self.cfg.proposer_tokens) and all(
+            not params.has_penalties and len(tokens) + self.cfg.proposer_tokens <= self.cfg.max_model_len
+            for tokens, params, _, _ in jobs.values())
+
+    def _step_until_done(self, rows: dict[str, str], wants: dict[str, int], stats: DraftCallStats,
+                         use_proposals: bool = False) -> dict[str, list[int]]:
         """Step the engine until every engine request of ``rows`` ({vLLM's internal request id: row
         id}) has its tokens (``wants``: how many per row id; each step marked in ``stats``); those
         tokens per row id. Each step is read from the engine core (``core_step``: no output
-        processor). With ``proposer_tokens`` a row is done once its sampled tokens and the
+        processor). With ``use_proposals`` a row is done once its sampled tokens and the
         proposals vLLM's draft-model proposer made after them in the same step make ``wants``
         (``proposed_tokens``); a row they do not complete (a catch-up over several steps, k_i above
         ``proposer_tokens + 1``) goes on as a request of vLLM's own speculative decoding, whose
@@ -242,7 +255,7 @@ class VllmDraftWorker:
                     tokens[rid] += output.token_ids
                     if output.finish_reason is not None:
                         pending.discard(rid)
-            if self.cfg.proposer_tokens:
+            if use_proposals:
                 self._complete_from_proposals(rows, wants, tokens, pending)
             if not pending:
                 drain(self.engine)   # async scheduling: a step scheduled past the end

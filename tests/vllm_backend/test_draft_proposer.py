@@ -165,3 +165,28 @@ def test_the_config_asks_vllm_for_a_draft_model_proposer_of_the_engines_own_mode
                        (dict(proposer_tokens=2, async_scheduling=True), "async_scheduling")):
         with pytest.raises(ValueError, match=field):
             _cfg("/m", **bad)
+
+
+@pytest.mark.parametrize("case", ["near-max-model-len", "penalties"])
+def test_calls_the_proposals_cannot_serve_run_as_speculative_steps_with_the_k_step_tokens(plain, proposer, monkeypatch,
+                                                                                          case):
+    """A row within ``proposer_tokens`` of ``max_model_len`` (vLLM's CPU build then proposes 0 for
+    every row of the step) or with penalties (the proposer drafts the plain argmax): the call takes
+    no proposals; its tokens equal k-step drafting's."""
+    near = case == "near-max-model-len"
+    other = SamplingParams(temperature=0.0, seed=0, repetition_penalty=1.0 if near else 1.3)
+    rows = [("n0", _prompt(80, 254 if near else 30), other, 2), ("n1", _prompt(81, 20), GREEDY, K)]
+    for worker in (plain, proposer):
+        worker.add_requests([(rid, seq, params) for rid, seq, params, _ in rows])
+    steps = _count_steps(proposer, monkeypatch)
+    try:
+        committed = [(len(seq), []) for _, seq, _, _ in rows]
+        ks = [k for *_, k in rows]
+        want, _ = plain.draft([r[0] for r in rows], committed, ks)
+        got, _ = proposer.draft([r[0] for r in rows], committed, ks)
+        assert got == want and [len(row) for row in got] == ks and 0 not in got[1][1:]
+        assert len(steps) > 1   # vLLM's speculative steps: no proposals taken
+    finally:
+        for worker in (plain, proposer):
+            for rid, *_ in rows:
+                worker.release(rid)
