@@ -104,6 +104,7 @@ class VllmDraftWorker:
         self._check_caching(cfg)
         self.cfg = cfg = drafting_config(cfg)
         self.engine = engine if engine is not None else build_engine(cfg)
+        self._scheduler = scheduler_of(self.engine)
         self._facts = engine_facts(self.engine, cfg)
         if target_vocab_size is not None and target_vocab_size < self._facts.vocab_size:
             raise ValueError(f"target_vocab_size={target_vocab_size} < draft vocab {self._facts.vocab_size}")
@@ -216,10 +217,9 @@ class VllmDraftWorker:
             if vllm_ids:
                 self.engine.abort_request(vllm_ids, internal=True)
             raise
-        if self.cfg.proposer_tokens:   # rows whose proposals ended them still run in the engine core
-            self.engine.abort_request(vllm_ids, internal=True)
-        else:   # they ended in the engine core; core_step left their states in the output processor
-            self.engine.output_processor.abort_requests(vllm_ids, internal=True)
+        # they ended in the engine core (or were aborted there once their proposals completed them);
+        # core_step left their states in the output processor
+        self.engine.output_processor.abort_requests(vllm_ids, internal=True)
         return tokens
 
     def _proposals_serve(self, jobs: dict[str, tuple[list[int], SamplingParams, int, int]]) -> bool:
@@ -240,7 +240,7 @@ class VllmDraftWorker:
         tokens per row id. Each step is read from the engine core (``core_step``: no output
         processor). With ``use_proposals`` a row is done once its sampled tokens and the
         proposals vLLM's draft-model proposer made after them in the same step make ``wants``
-        (``proposed_tokens``); a row they do not complete (a catch-up over several steps, k_i above
+        (``_proposed_tokens``); a row they do not complete (a catch-up over several steps, k_i above
         ``proposer_tokens + 1``) goes on as a request of vLLM's own speculative decoding, whose
         verified proposals come out of its later steps. Raises RuntimeError if they do not finish within
         ``MAX_DRAFT_STEPS_SLACK`` extra steps."""
@@ -271,12 +271,19 @@ class VllmDraftWorker:
         done = []
         for vllm_id, rid in rows.items():
             need = wants[rid] - len(tokens[rid])
-            if rid in pending and tokens[rid] and len(proposed := proposed_tokens(self.engine, vllm_id)) >= need:
+            if rid in pending and tokens[rid] and len(proposed := self._proposed_tokens(vllm_id)) >= need:
                 tokens[rid] += proposed[:need]
                 done.append(vllm_id)
                 pending.discard(rid)
         if done:
             self.engine.abort_request(done, internal=True)
+
+    def _proposed_tokens(self, vllm_id: str) -> list[int]:
+        """The draft tokens vLLM's proposer made for request ``vllm_id`` in the engine's last step
+        (``Request.spec_token_ids``, set after the step by ``Scheduler.update_draft_token_ids``); []
+        once it finished or where none were made (a prefill chunk)."""
+        request = self._scheduler.requests.get(vllm_id)
+        return [] if request is None or request.is_finished() else list(request.spec_token_ids)
 
     def release(self, request_id: str) -> None:
         """Forget the request (its cached prefix blocks age out of vLLM's prefix cache).
@@ -289,14 +296,6 @@ class VllmDraftWorker:
 
 
 _UNTIMED = DraftCallStats(log_every=0)   # admissions: not draft calls
-
-
-def proposed_tokens(engine, vllm_id: str) -> list[int]:
-    """The draft tokens vLLM's proposer made for request ``vllm_id`` in the engine's last step
-    (``Request.spec_token_ids``, set after the step by ``Scheduler.update_draft_token_ids``); []
-    once it finished or where none were made (a prefill chunk)."""
-    request = scheduler_of(engine).requests.get(vllm_id)
-    return [] if request is None or request.is_finished() else list(request.spec_token_ids)
 
 
 def _call_seed(seed: int, num_committed: int) -> int:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from specdec.sample.sampling import SamplingParams
 from specdec.vllm_backend.draft import _UNTIMED, VllmDraftWorker, _DraftRequest
-from specdec.vllm_backend.engine import VllmEngineConfig, refusals_as_value_errors, scheduler_of, to_vllm_sampling
+from specdec.vllm_backend.engine import VllmEngineConfig, refusals_as_value_errors, to_vllm_sampling
 
 
 @dataclass
@@ -53,7 +53,6 @@ class VllmSessionDraftWorker(VllmDraftWorker):
             raise ValueError("proposer_tokens: not with draft sessions (a session's proposals would outlive its call)")
         super().__init__(cfg, target_vocab_size, seed, engine)
         self._sessions: dict[str, _Session] = {}
-        self._scheduler = scheduler_of(self.engine)
 
     @staticmethod
     def _check_caching(cfg: VllmEngineConfig) -> None:
