@@ -11,7 +11,7 @@ Cost model (times in ms, measured by the engines: ``DraftResponse.draft_ms``,
   ``t_draft(n, k) = c_k + d_k * n``. A Draft call is not k times one forward: vLLM's drafter
   (``specdec.vllm_backend.draft``) admits its rows and runs a catch-up step before the k - 1
   decode steps, and under CUDA MPS the call shares the GPU with the other batch's Verify. On the
-  H200 (BENCHMARKS.md, session 22) 32 rows took 20.6 ms at k = 1 and about 30 ms at k = 4; the
+  H200 (bench/results/HISTORY.md, session 22) 32 rows took 20.6 ms at k = 1 and about 30 ms at k = 4; the
   former model ``k * (c_d + d_d * n)`` predicted 82 ms for k = 4, so adaptive k settled at k = 1
   (1896 tok/s at c = 64 against 2117 at a fixed k = 4).
 - verifying n requests with k draft tokens each: one fit per k, ``t_verify(n, k) = a_k + b_k * n``.

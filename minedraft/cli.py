@@ -38,7 +38,7 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the verifier (torchrun when > 1)")
     p.add_argument("--data-plane", choices=DATA_PLANES, default=None,
                    help="how draft probs travel (default: ipc on cuda, the fastest on one host: "
-                        "BENCHMARKS.md 'GPU: data plane and TP'; inline on cpu)")
+                        "bench/results/HISTORY.md 'GPU: data plane and TP'; inline on cpu)")
     p.add_argument("--target", default=DEFAULT_TARGET, help="target model: alias, HF dir or .gguf")
     p.add_argument("--draft", default="", help="draft dir (default: drafts/smollm2-135m-instruct if present, "
                                                "else the target's first 4 layers, untrained)")

@@ -4,7 +4,7 @@ Without MPS, processes on one GPU take turns in time slices: a drafter that shar
 GPU (``--drafter-gpu 0`` on a one-GPU host) cannot draft while the verifier verifies, so PSD's
 overlap of drafting and verification (DESIGN.md) is lost. Under NVIDIA's Multi-Process Service the
 kernels of both processes run on the GPU at the same time. Measured on one H200 with the drafter
-sharing GPU 0 (BENCHMARKS.md, runs 17-19): psd-k4-m16 1858 tok/s with MPS against 1448 without.
+sharing GPU 0 (bench/results/HISTORY.md, runs 17-19): psd-k4-m16 1858 tok/s with MPS against 1448 without.
 
 The daemon is private to the stack: it is started with ``CUDA_MPS_PIPE_DIRECTORY`` set to a fresh
 temporary directory, only the stack's engines get that directory, and ``stop`` quits it. No GPU

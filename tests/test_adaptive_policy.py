@@ -103,7 +103,7 @@ def test_draft_fit_is_per_k_and_keeps_a_call_s_fixed_part() -> None:
 
 
 def test_draft_calls_with_a_fixed_part_keep_k_large() -> None:
-    """The vLLM drafter on one H200 under MPS (BENCHMARKS.md, session 22): a Draft call of 32
+    """The vLLM drafter on one H200 under MPS (bench/results/HISTORY.md, session 22): a Draft call of 32
     rows is a fixed 17.5 ms (admission, catch-up step, the shared GPU) plus 3.1 ms a draft
     token; verify 12 ms, 5 ms a step beyond the engines, alpha 0.7. Goodput per k: 1.70 / 25.6,
     2.19 / 28.7, 2.53 / 31.8, 2.77 / 34.9 tokens per ms and row: k = 3 (k = 4 within 0.4%).

@@ -2,7 +2,7 @@
 
 CI has no NVIDIA driver, so ``nvidia-cuda-mps-control`` is a stand-in shell script on ``PATH`` that
 records how it was called (and, at ``quit``, which engine pids were still alive); the real daemon
-ran on an H200 (BENCHMARKS.md, runs 17-18).
+ran on an H200 (bench/results/HISTORY.md, runs 17-18).
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ eagerly: the CPU twin that CI checks against the dynamic path (``tests/test_cuda
 Padding rows never change real rows' results: attention, norms and matmuls are row-wise.
 
 One-prompt prefills (an admission of one request, the common case in service) are launch-bound
-too: ~1200 kernel launches for a few ms of GPU work (BENCHMARKS.md, "GPU admission of one
+too: ~1200 kernel launches for a few ms of GPU work (bench/results/HISTORY.md, "GPU admission of one
 prompt"). ``StaticStepper.prefill`` pads such a prompt to a **length bucket** (powers of two
 from 16 up to ``ModelConfig.max_graph_prefill_tokens``), captures one graph per bucket that
 computes only the last real token's logits, and replays it; the padding tokens go to the
@@ -31,7 +31,7 @@ scratch slot, and causal attention keeps them out of the real tokens' results.
 
 ``ModelConfig.compile_layers`` additionally runs static steps through ``torch.compile``'d
 decoder layers (``compile_layers``), which fuses each layer's elementwise kernels. Measured on an
-H200 (BENCHMARKS.md, "GPU: engine step"; random weights, bf16): SmolLM2-135M shape decode at
+H200 (bench/results/HISTORY.md, "GPU: engine step"; random weights, bf16): SmolLM2-135M shape decode at
 batch 1 26.2 ms eager -> 3.3 ms graphs -> 1.7 ms graphs + compiled layers; Llama-3-8B shape
 31.2 -> 7.5 -> 5.6 ms (floor 3.4 ms).
 """

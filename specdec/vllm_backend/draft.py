@@ -67,7 +67,7 @@ def drafting_config(cfg: VllmEngineConfig) -> VllmEngineConfig:
     (graphs up to ``2 x max_num_seqs`` tokens for an engine without speculation, piecewise for
     mixed steps) left it at 21-30 ms against 2.7-3.9 ms per decode step at 8-32 rows for a
     Qwen3-0.6B shape on the H200; FULL graphs up to the catch-up size: 4.2-7.4 ms
-    (``bench.engines.draft_calls``, BENCHMARKS.md session 21)."""
+    (``bench.engines.draft_calls``, bench/results/HISTORY.md, session 21)."""
     block = cfg.block_size or DRAFT_BLOCK_SIZE.get(cfg.device)
     catch_up = cfg.max_num_seqs * ((block or VLLM_BLOCK_SIZE[cfg.device]) + CATCH_UP_NEW_TOKENS)
     budget = cfg.max_num_batched_tokens or max(cfg.batched_tokens, catch_up)

@@ -4,7 +4,7 @@
 vLLM's admission of each row's whole context (its block hashes, the prefix-cache lookup, the
 block allocation and, at the end, the blocks' release: work that grows with the context) and
 recomputes each row's uncached last partial KV block. On this CPU (``bench.engines.draft_calls``,
-BENCHMARKS.md session 22) a 16-row call of a SmolLM2-135M-shape draft with 400-token contexts took
+bench/results/HISTORY.md, session 22) a 16-row call of a SmolLM2-135M-shape draft with 400-token contexts took
 787 ms that way (523 in its catch-up step) and 388 ms (156) with sessions.
 
 Here each row is one resumable vLLM request for the whole life of the request (vLLM's
