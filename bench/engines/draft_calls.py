@@ -23,6 +23,8 @@ committed tokens, greedy: a graph mode that computed wrongly would show here). W
 
     python -m bench.engines.draft_calls --device cpu --dtype float32 --draft random:tiny-llama-hd64 \\
         --enforce-eager --rows 4,16,64 --out-dir bench/results/draft_calls_cpu
+    python -m bench.engines.draft_calls --draft drafts/smollm2-135m-instruct --target smollm2-135m-instruct \\
+        --rows 1,8,32 --setups drafting,proposer --out-dir /tmp/draft_calls   # table (a)'s distilled draft
 """
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ SETUPS = ("drafting", "drafting-piecewise", "vllm-default", "sessions", "propose
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m bench.engines.draft_calls")
     p.add_argument("--draft", required=True, help="a model dir or a random: preset (specdec.vllm_backend.models)")
+    p.add_argument("--target", default=None, help="the target model, for a MineDraft draft dir (--draft drafts/...: "
+                   "it borrows the target's embeddings and head), e.g. smollm2-135m-instruct")
     p.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--k", type=int, default=4)
@@ -255,7 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.vllm_backend.draft_sessions import VllmSessionDraftWorker
     from specdec.vllm_backend.models import resolve_vllm_model
 
-    model, load_format = resolve_vllm_model(a.draft)
+    target_dir = None
+    if a.target is not None:
+        from specdec.config import ModelConfig
+        from specdec.models.resolve import resolve_model_dir
+        target_dir = resolve_model_dir(ModelConfig(model=a.target))
+    model, load_format = resolve_vllm_model(a.draft, target_dir)
     workers, start_s, failures = {}, {}, {}   # all kept: a collected engine tears down vLLM's process-wide groups
     for setup in a.setups:
         allow_another_capture()
