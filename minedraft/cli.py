@@ -61,7 +61,8 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-proposer", action="store_true",
                    help="--engine vllm: the drafter drafts with vLLM's own draft-model proposer, k - 1 greedy tokens "
                         "inside the engine step after each sampled one: one engine step per draft call instead of k "
-                        "(specdec.vllm_backend.draft; not with --draft-sessions)")
+                        "(specdec.vllm_backend.draft; not with --draft-sessions; with vLLM 0.24 slower than k steps: 4x per draft "
+                        "call on an H100, BENCHMARKS.md)")
     p.add_argument("--bench-fixed-acceptance", type=float, default=None, metavar="P",
                    help="BENCHMARK-ONLY: the verifier accepts each draft token with probability P instead of "
                         "rejection sampling (changes the output distribution; for random:<preset> models)")
