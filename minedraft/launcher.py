@@ -106,19 +106,22 @@ class Stack:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self, model_dir: str, log=print) -> None:
-        """Starts every service and waits until all are SERVING.
+    def start(self, model_dir: str, log=print, deadline: float | None = None) -> None:
+        """Starts every service and waits until all are SERVING; ``deadline`` (``time.monotonic()``
+        seconds): the whole start-up ends there at the latest, its start groups together (a
+        benchmark's time budget), beside each group's ``cfg.startup_timeout_s``.
 
         Raises:
-            StackError: a service died or was not SERVING within ``cfg.startup_timeout_s``.
+            StackError: a service died, or was not SERVING within ``cfg.startup_timeout_s`` or by
+                ``deadline`` (the services started stay for ``stop``).
             InsufficientMemoryError: target + draft weights and KV caches exceed available memory
                 (``check_memory``; nothing is started then).
         """
         check_memory(self.cfg, model_dir, log)
         for group in start_groups(self.cfg, build_service_specs(self.cfg, model_dir)):
-            self.add_services(group, log)
+            self.add_services(group, log, deadline)
 
-    def add_services(self, specs: list[ServiceSpec], log=print) -> None:
+    def add_services(self, specs: list[ServiceSpec], log=print, deadline: float | None = None) -> None:
         """Start ``specs`` in this stack and wait until every service is SERVING; e.g. a coordinator
         and gateway in front of engines another Stack runs (bench/gpu/gpu_stack.py switches modes
         without reloading the models). Raises StackError as ``start``."""
@@ -127,7 +130,7 @@ class Stack:
         for spec in specs:
             self.services.append(self._spawn(spec))
             log(f"started {spec.name} (pid {self.services[-1].process.pid}) -> {self.services[-1].log_path}")
-        self._wait_serving(log)
+        self._wait_serving(log, deadline)
 
     def _spawn(self, spec: ServiceSpec) -> RunningService:
         log_path = os.path.join(self.run_dir, f"{spec.name}.log")
@@ -147,13 +150,15 @@ class Stack:
         self.mps = self.mps or CudaMpsDaemon.started(self.run_dir)
         return self.mps.env
 
-    def _wait_serving(self, log) -> None:
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
+    def _wait_serving(self, log, deadline: float | None = None) -> None:
+        own = time.monotonic() + self.cfg.startup_timeout_s
+        ends = own if deadline is None else min(own, deadline)
         while not all(s.is_serving for s in self.watched):
             self.check_alive()
-            if time.monotonic() > deadline:
+            if time.monotonic() > ends:
                 waiting = [s.spec.name for s in self.watched if not s.is_serving]
-                raise StackError(f"not SERVING within {self.cfg.startup_timeout_s:.0f} s: {waiting}")
+                limit = f"within {self.cfg.startup_timeout_s:.0f} s" if ends == own else "by the start-up deadline"
+                raise StackError(f"not SERVING {limit}: {waiting}")
             for service in self.watched:
                 if not service.is_serving and health_status(service.spec.address) == health_pb2.HealthCheckResponse.SERVING:
                     service.is_serving = True

@@ -309,3 +309,41 @@ def test_tiny_cpu_run_of_vllm_ar_and_psd_vllm_writes_both_and_equal_greedy_outpu
     outputs = json.loads((out / "outputs.json").read_text())
     assert outputs["vllm-ar-c1"]["1"] and outputs["vllm-ar-c1"] == outputs["psd-vllm-c1"]   # same non-empty text
     assert "| psd-vllm | 1 |" in (out / "results.md").read_text()
+
+
+def test_a_start_up_gets_the_time_budgets_end_as_its_deadline_and_a_late_one_is_reported(tmp_path, monkeypatch):
+    # session 29: a system whose start-up outran the call's limit lost every result of the call;
+    # now each start-up ends at the time budget's end and is reported as a failure, the rest written
+    import time
+
+    from bench.engines import engines_compare
+
+    seen = []
+
+    class _SlowStart:
+        start_deadline = None
+
+        def __init__(self, name, cfg, logs):
+            self.name = name
+
+        def __enter__(self):
+            seen.append((self.name, self.start_deadline))
+            raise RuntimeError(f"{self.name}: not healthy by the start-up deadline")
+
+        def __exit__(self, *exc):
+            return None
+
+    monkeypatch.setattr(engines_compare, "VllmServer", _SlowStart)
+    monkeypatch.setattr(engines_compare, "OursServer", _SlowStart)
+    data = tmp_path / "question.jsonl"
+    data.write_text(json.dumps({"question_id": 1, "category": "translation", "turns": ["Hi"]}) + "\n")
+    cfg = CompareConfig(out_dir=str(tmp_path / "out"), data=str(data), systems=("vllm-ar", "psd-vllm"),
+                        concurrencies=(1,), min_requests=1, requests_per_client=1, time_budget_s=300.0)
+    before = time.monotonic()
+    results = engines_compare.run_compare(cfg, "test")
+    assert [name for name, _ in seen] == ["vllm-ar", "psd-vllm"]
+    for _, deadline in seen:
+        assert deadline is not None and before + 299 <= deadline <= time.monotonic() + 300
+    assert [f["system"] for f in results["failures"]] == ["vllm-ar", "psd-vllm"]
+    assert "start-up deadline" in results["failures"][1]["error"]
+    assert "**FAILED** psd-vllm" in (tmp_path / "out" / "results.md").read_text()

@@ -51,6 +51,6 @@ def test_stack_start_waits_for_each_group_in_turn(monkeypatch, tmp_path):
     started: list[list[str]] = []
     monkeypatch.setattr(launcher, "check_memory", lambda cfg, model_dir, log: None)
     monkeypatch.setattr(launcher, "build_service_specs", lambda cfg, model_dir: _specs(ALL))
-    monkeypatch.setattr(Stack, "add_services", lambda self, specs, log=print: started.append([s.name for s in specs]))
+    monkeypatch.setattr(Stack, "add_services", lambda self, specs, log=print, deadline=None: started.append([s.name for s in specs]))
     Stack(StackConfig(engine="vllm", device="cpu", runs_dir=str(tmp_path))).start("/m")
     assert started == [["verifier", "drafter"], ["coordinator", "gateway"]]

@@ -173,9 +173,11 @@ class OursSystem:
         self.endpoint = Endpoint(f"http://127.0.0.1:{http}/v1", os.path.basename(os.path.normpath(target)),
                                  self._step_log, logs_dir)
 
+    start_deadline: float | None = None  # time.monotonic() by which the start-up must be done (a time budget)
+
     def __enter__(self) -> Endpoint:
         try:
-            self._stack.start(self._model_dir, log=lambda msg: None)
+            self._stack.start(self._model_dir, log=lambda msg: None, deadline=self.start_deadline)
         except BaseException:
             self._stack.stop()
             raise
@@ -198,8 +200,11 @@ class VllmSystem:
         extra_args: appended to the server's command line (e.g. ``-O0`` to skip compilation).
         dtype: ``--dtype`` of the server (the suite passes the same dtype to ours).
     Raises (on enter):
-        RuntimeError: the server exited or was not healthy within ``startup_timeout_s``.
+        RuntimeError: the server exited or was not healthy within ``startup_timeout_s`` (or by
+            ``start_deadline``, when set).
     """
+
+    start_deadline: float | None = None  # time.monotonic() by which the start-up must be done (a time budget)
 
     def __init__(self, spec: SystemSpec, python: str, target_dir: str, draft_dir: str, m: int, k: int,
                  max_model_len: int, logs_dir: str, kv_cache_gib: int = 4, reserved_cpus: int = 1,
@@ -233,7 +238,7 @@ class VllmSystem:
             self._process = subprocess.Popen([sys.executable, "-m", "minedraft.child_exec", "-", "--", *self.argv],
                                              stdout=log, stderr=subprocess.STDOUT, env=self._env,
                                              stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + self._timeout_s
+        deadline = min(time.monotonic() + self._timeout_s, self.start_deadline or float("inf"))
         while fetch_text(f"{self._root}/health") is None:
             if self._process.poll() is not None or time.monotonic() > deadline:
                 self.__exit__()

@@ -104,6 +104,7 @@ def run_system(name: str, cfg: CompareConfig, prompts, deadline: float) -> list[
     """Start ``name`` once, run every concurrency (until ``deadline``), stop it; one record each."""
     logs = os.path.join(cfg.work_dir or cfg.out_dir, "logs", name)
     server = (VllmServer if parse_system(name).family == "vllm" else OursServer)(name, cfg, logs)
+    server.start_deadline = deadline   # a start-up that would outrun the time budget is stopped and reported
     records = []
     started = time.monotonic()
     with server as endpoint:
