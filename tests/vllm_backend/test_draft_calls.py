@@ -78,3 +78,23 @@ def test_the_sessions_setup_drafts_what_drafting_does_without_admitting_rows(tmp
     rows = {r["setup"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())["rows"]}
     assert rows["sessions"]["add_request_ms_per_call"] == 0 < rows["drafting"]["add_request_ms_per_call"]
     assert rows["sessions"]["steps_per_call"] == 3.0 and rows["sessions"]["drafts_equal_to_first_setup"] == 1.0
+
+
+def test_a_minedraft_draft_dir_is_timed_over_its_target_and_refused_without_one(tmp_path, monkeypatch) -> None:
+    # table (a)'s distilled draft borrows the target's embeddings and head: --target names the target
+    from conftest import _build_tiny_llama
+    from specdec.models.draft_format import make_truncated_draft
+    from test_multi_step_decode import SHAPE
+
+    monkeypatch.setenv("MINEDRAFT_CACHE", str(tmp_path / "cache"))
+    target, draft = str(tmp_path / "target"), str(tmp_path / "draft")
+    _build_tiny_llama(num_layers=2, seed=3, vocab_size=1024, **SHAPE).save_pretrained(target, safe_serialization=True)
+    make_truncated_draft(target, [0], draft)
+    argv = ["--device", "cpu", "--dtype", "float32", "--draft", draft, "--enforce-eager", "--rows", "2", "--k", "3",
+            "--num-calls", "2", "--num-warmup", "1", "--max-model-len", "256", "--setups", "drafting",
+            "--out-dir", str(tmp_path / "out")]
+    with pytest.raises(ValueError, match="the target model must be given"):
+        draft_calls.main(argv)
+    assert draft_calls.main([*argv, "--target", target]) == 0
+    (row,) = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+    assert row["rows"] == 2 and row["steps_per_call"] == 3.0 and row["ms_per_call"] > 0
