@@ -127,6 +127,9 @@ def _load_vllm_worker(args: argparse.Namespace):
         cfg = vllm_engine_config(args, draft_dir, load_format, enable_prefix_caching=False)
         return VllmSessionDraftWorker(cfg, target_vocab_size, seed=args.seed)
     cfg = vllm_engine_config(args, draft_dir, load_format, proposer_tokens=args.draft_proposer_tokens)
+    if cfg.proposer_tokens and cfg.device == "cuda":
+        logger.warning("--draft-proposer-tokens: vLLM 0.24 runs the draft_model proposer on its V1 model runner; "
+                       "a draft call measured 3.7-4.2x slower than k-step drafting on an H100 (BENCHMARKS.md)")
     return VllmDraftWorker(cfg, target_vocab_size, seed=args.seed)
 
 
