@@ -44,6 +44,11 @@ SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, inte
                                                verifier_sm_percent=70)),
     ("ar-vllm-ds32-si4-ms20-adaptive", SystemName("ours", "ar", "vllm", decode_steps=32, stream_interval=4,
                                                   stream_interval_ms=20, adaptive_k=True)),
+    ("vllm-ar-v1", SystemName("vllm", "ar", model_runner_v1=True)),
+    ("vllm-sd-k3-v1", SystemName("vllm", "sd", k=3, model_runner_v1=True)),
+    ("ar-vllm-ds64-v1", SystemName("ours", "ar", "vllm", decode_steps=64, model_runner_v1=True)),
+    ("psd-vllm-ses-vsm70-v1", SystemName("ours", "psd", "vllm", draft_sessions=True, verifier_sm_percent=70,
+                                         model_runner_v1=True)),
 ])
 def test_parse_system_reads_every_form(name, expected):
     assert parse_system(name) == expected
@@ -54,7 +59,8 @@ def test_parse_system_reads_every_form(name, expected):
                                   "ar-vllm-si65", "ar-vllm-si4-block", "ar-vllm-block-ds8", "ar-vllm-si4-ds8",
                                   "psd-vllm-vsm0", "psd-vllm-vsm101", "psd-vllm-vsm70-adaptive", "vllm-sd-k3-adaptive",
                                   "psd-vllm-ses-adaptive", "vllm-ar-ses", "ar-vllm-ms60001", "ar-vllm-ms20-si4",
-                                  "ar-vllm-msx", "psd-vllm-ses-prop", "psd-vllm-prop-ses", "psd-vllm-prop-adaptive"])
+                                  "ar-vllm-msx", "psd-vllm-ses-prop", "psd-vllm-prop-ses", "psd-vllm-prop-adaptive",
+                                  "vllm-v1", "vllm-ar-v2", "vllm-v1-ar", "ar-vllm-v1-ds8", "vllm-sd-k3-v1-v1"])
 def test_parse_system_refuses_unknown_names_naming_them(name):
     with pytest.raises(ValueError, match=f"unknown system '{name}'"):
         parse_system(name)
@@ -347,3 +353,27 @@ def test_a_start_up_gets_the_time_budgets_end_as_its_deadline_and_a_late_one_is_
     assert [f["system"] for f in results["failures"]] == ["vllm-ar", "psd-vllm"]
     assert "start-up deadline" in results["failures"][1]["error"]
     assert "**FAILED** psd-vllm" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_only_v1_systems_start_their_engines_on_vllms_v1_model_runner():
+    assert parse_system("vllm-ar-v1").engine_env == parse_system("psd-vllm-v1").engine_env == {
+        "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert parse_system("vllm-ar").engine_env == parse_system("psd-vllm").engine_env == {}
+
+
+def test_a_v1_system_of_ours_starts_its_services_with_the_v1_switch_and_leaves_the_environment_as_it_was(
+        monkeypatch, tmp_path):
+    from bench.common.systems import OursSystem
+    from bench.engines.compare_systems import OursServer
+
+    seen = {}
+    monkeypatch.setattr(OursSystem, "__enter__", lambda self: seen.update(
+        value=os.environ.get("VLLM_USE_V2_MODEL_RUNNER")) or "endpoint")
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    server = OursServer.__new__(OursServer)
+    server._engine_env = parse_system("ar-vllm-v1").engine_env
+    assert server.__enter__() == "endpoint" and seen["value"] == "0"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    server.__enter__()
+    assert seen["value"] == "0" and os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"

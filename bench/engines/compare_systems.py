@@ -7,7 +7,10 @@ this system, else the run's; ``-si<S>``: ``--stream-interval S`` (else the defau
 ``--stream-interval-ms T`` (0: partial messages by steps only); ``-adaptive``: ``--k-policy
 adaptive``, which ``auto`` always runs; ``-ses``: ``--draft-sessions``, the vLLM drafter's resident
 draft requests; ``-prop``: ``--draft-proposer``, one engine step per draft call; ``-vsm<P>``: ``--cuda-mps-verifier-sm-percent P``), ``vllm-ar`` and
-``vllm-sd-k<K>`` for vLLM. Start/stop and metrics are those of
+``vllm-sd-k<K>`` for vLLM. A trailing ``-v1`` on any name runs its vLLM engines on vLLM's V1 model
+runner (``VLLM_USE_V2_MODEL_RUNNER=0``), where vLLM 0.24 puts every engine with a ``custom_class``
+or ``draft_model`` speculative method (our sd / psd / auto verifier, vLLM's SD) while plain decoding
+runs on Model Runner V2: ``vllm-ar`` beside ``vllm-ar-v1`` measures what V1 costs. Start/stop and metrics are those of
 ``bench.common.systems.OursSystem`` / ``VllmSystem`` (subclassed: only the command lines differ).
 """
 from __future__ import annotations
@@ -22,9 +25,9 @@ from coordinator.config import DEFAULT_STREAM_INTERVAL, DEFAULT_STREAM_INTERVAL_
 from minedraft.engine_backend import ENGINES, OWN_GPU_UTILIZATION, engine_python
 
 OUR_MODES = ("ar", "sd", "psd", "auto")
-_VLLM_SD = re.compile(r"^vllm-sd-k(\d+)$")
+_VLLM = re.compile(r"^vllm-(?:(?P<ar>ar)|sd-k(?P<k>\d+))(?P<v1>-v1)?$")
 _OURS = re.compile(r"^(?P<mode>[a-z]+)-(?P<engine>[a-z]+)(?:-ds(?P<ds>\d+))?(?:-si(?P<si>\d+)|(?P<block>-block))?"
-                   r"(?:-ms(?P<ms>\d+))?(?P<adaptive>-adaptive)?(?:(?P<ses>-ses)|(?P<prop>-prop))?(?:-vsm(?P<vsm>\d+))?$")
+                   r"(?:-ms(?P<ms>\d+))?(?P<adaptive>-adaptive)?(?:(?P<ses>-ses)|(?P<prop>-prop))?(?:-vsm(?P<vsm>\d+))?(?P<v1>-v1)?$")
 SERVED_MODEL = "minedraft-bench-target"
 
 
@@ -42,15 +45,22 @@ class SystemName:
     verifier_sm_percent: int = 100  # ours: --cuda-mps-verifier-sm-percent
     draft_sessions: bool = False  # ours: --draft-sessions
     draft_proposer: bool = False  # ours: --draft-proposer
+    model_runner_v1: bool = False  # -v1: the vLLM engines on vLLM's V1 model runner
+
+    @property
+    def engine_env(self) -> dict[str, str]:
+        """Environment the system's vLLM engines start with (``-v1``: ``VLLM_USE_V2_MODEL_RUNNER=0``)."""
+        return {"VLLM_USE_V2_MODEL_RUNNER": "0"} if self.model_runner_v1 else {}
 
 
 def parse_system(name: str) -> SystemName:
     """``SystemName`` of a system label. Raises ValueError naming it when it is none of the forms."""
-    if name == "vllm-ar":
-        return SystemName("vllm", "ar")
-    match = _VLLM_SD.match(name)
-    if match and int(match.group(1)) >= 1:
-        return SystemName("vllm", "sd", k=int(match.group(1)))
+    match = _VLLM.match(name)
+    if match and (match.group("ar") or int(match.group("k")) >= 1):
+        v1 = match.group("v1") is not None
+        if match.group("ar"):
+            return SystemName("vllm", "ar", model_runner_v1=v1)
+        return SystemName("vllm", "sd", k=int(match.group("k")), model_runner_v1=v1)
     ours = _OURS.match(name)
     counts = [int(ours.group(g)) for g in ("ds", "si") if ours.group(g) is not None] if ours else []
     vsm = int(ours.group("vsm")) if ours and ours.group("vsm") else 100
@@ -63,9 +73,9 @@ def parse_system(name: str) -> SystemName:
                           stream_interval=int(ours.group("si")) if ours.group("si") else None, stream_interval_ms=ms,
                           adaptive_k=ours.group("adaptive") is not None or ours.group("mode") == "auto",
                           verifier_sm_percent=vsm, draft_sessions=ours.group("ses") is not None,
-                          draft_proposer=ours.group("prop") is not None)
-    raise ValueError(f"systems: unknown system {name!r} (forms: vllm-ar, vllm-sd-k<K>, "
-                     f"<{'|'.join(OUR_MODES)}>-<{'|'.join(ENGINES)}>[-ds<N>][-si<S>|-block][-ms<T>][-adaptive][-ses|-prop][-vsm<P>], "
+                          draft_proposer=ours.group("prop") is not None, model_runner_v1=ours.group("v1") is not None)
+    raise ValueError(f"systems: unknown system {name!r} (forms: vllm-ar[-v1], vllm-sd-k<K>[-v1], "
+                     f"<{'|'.join(OUR_MODES)}>-<{'|'.join(ENGINES)}>[-ds<N>][-si<S>|-block][-ms<T>][-adaptive][-ses|-prop][-vsm<P>][-v1], "
                      f"N and S in [1, 64], T in [0, {MAX_STREAM_INTERVAL_MS}], P in [1, 100])")
 
 
@@ -112,8 +122,22 @@ class OursServer(OursSystem):
         stack = our_stack_config(parse_system(name), cfg, logs_dir, self._step_log)
         self._stack = Stack(stack, run_dir=logs_dir)
         self._model_dir = resolve_model_dir(cfg.target)
+        self._engine_env = parse_system(name).engine_env
         self.endpoint = Endpoint(f"http://127.0.0.1:{stack.http_port}/v1", os.path.basename(os.path.normpath(cfg.target)),
                                  self._step_log, logs_dir)
+
+    def __enter__(self) -> Endpoint:
+        """Starts the stack with ``engine_env`` in the environment its services inherit."""
+        saved = {key: os.environ.get(key) for key in self._engine_env}
+        os.environ.update(self._engine_env)
+        try:
+            return super().__enter__()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 def vllm_server_argv(python: str, cfg, system: SystemName, port: int, target: tuple[str, str],
@@ -161,6 +185,7 @@ class VllmServer(VllmSystem):
             self._env.update(CUDA_ENV_DEFAULTS)
         else:
             self._env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_NUM_OF_RESERVED_CPU="1")
+        self._env.update(system.engine_env)
         self._log_path = os.path.join(logs_dir, "vllm.log")
         self._timeout_s = cfg.startup_timeout_s
         self._root = f"http://127.0.0.1:{port}"
