@@ -201,6 +201,7 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
                         break
                 elif kind == "finished":
                     is_done = True
+                    await _read_to_end(call)
                     if prepared.stops and self._owns(request_id, owner):  # settle its counters, held
                         await self._abort_at_coordinator(request_id, len(output.output_token_ids))
                     async for final in self._finish(output, request_id, response.finished.finish_reason,
@@ -209,6 +210,7 @@ class GatewayServicer(generate_pb2_grpc.MineDraftServicer):
                     return
                 else:
                     is_done = True
+                    await _read_to_end(call)
                     yield generate_pb2.GenerateResponse(request_id=request_id, error=response.error)
                     return
             if output.is_stopped:
@@ -268,6 +270,17 @@ async def _refuse_malformed(request, context) -> None:
         check_wire(request)
     except InvalidRequestError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+async def _read_to_end(call) -> None:
+    """Reads the coordinator's ``Generate`` stream past its last message (``finished`` or
+    ``error``) to its end. The OpenTelemetry client interceptor ends its span when its response
+    iterator ends; a stream left after its last message kept the span open until the iterator was
+    collected, so the coordinator's server span reached Jaeger without its parent. An error status
+    after the last message changes nothing: the request already ended."""
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        async for _ in call:
+            pass
 
 
 def _coordinator_error(exc: grpc.aio.AioRpcError, num_sent: int) -> str:

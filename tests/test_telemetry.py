@@ -114,13 +114,22 @@ def _generate(cfg, i: int):
                                max_tokens=8 + 4 * i, request_id=f"otel-{i}", **sampled)
 
 
-def _wait_for_spans(servicer: OtlpReceiver, num_steps: int, timeout_s: float = 60.0) -> list[dict]:
+def _wait_for_spans(servicer: OtlpReceiver, num_steps: int, timeout_s: float = 60.0, quiet_s: float = 1.0) -> list[dict]:
+    """The spans once every request's and step's span arrived, every span's parent with them, and
+    no span came for ``quiet_s`` (each service exports every 100 ms, in its own process: a
+    request's span can arrive before its parent, the Generate server span, which ends after it)."""
     deadline = time.monotonic() + timeout_s
+    count, changed = -1, time.monotonic()
     while True:
         spans = servicer.spans()
+        if len(spans) != count:
+            count, changed = len(spans), time.monotonic()
         names = [s["name"] for s in spans]
-        if (names.count("gateway.generate") >= NUM_REQUESTS and names.count("coordinator.request") >= NUM_REQUESTS
-                and names.count("coordinator.step") >= num_steps) or time.monotonic() > deadline:
+        ids = {s["span_id"] for s in spans}
+        is_complete = (names.count("gateway.generate") >= NUM_REQUESTS and names.count("coordinator.request") >= NUM_REQUESTS
+                       and names.count("coordinator.step") >= num_steps and all(not s["parent"] or s["parent"] in ids
+                                                                             for s in spans))
+        if (is_complete and time.monotonic() - changed >= quiet_s) or time.monotonic() > deadline:
             return spans
         time.sleep(0.2)
 
@@ -138,6 +147,7 @@ def test_tracing_is_configured_only_with_an_endpoint():
 def test_each_request_trace_reaches_all_four_services(traced_run):
     spans, results = traced_run["spans"], traced_run["results"]
     by_id = {s["span_id"]: s for s in spans}
+    assert [s["name"] for s in spans if s["parent"] and s["parent"] not in by_id] == []   # no orphans in Jaeger
     steps = [s for s in spans if s["name"] == "coordinator.step"]
     for result, i in zip(results, range(NUM_REQUESTS)):
         request_id = f"otel-{i}"
