@@ -151,13 +151,14 @@ class Stack:
         return self.mps.env
 
     def _wait_serving(self, log, deadline: float | None = None) -> None:
-        own = time.monotonic() + self.cfg.startup_timeout_s
-        ends = own if deadline is None else min(own, deadline)
+        ends = time.monotonic() + self.cfg.startup_timeout_s
+        limit = f"within {self.cfg.startup_timeout_s:.0f} s"
+        if deadline is not None and deadline < ends:
+            ends, limit = deadline, "by the start-up deadline"
         while not all(s.is_serving for s in self.watched):
             self.check_alive()
             if time.monotonic() > ends:
                 waiting = [s.spec.name for s in self.watched if not s.is_serving]
-                limit = f"within {self.cfg.startup_timeout_s:.0f} s" if ends == own else "by the start-up deadline"
                 raise StackError(f"not SERVING {limit}: {waiting}")
             for service in self.watched:
                 if not service.is_serving and health_status(service.spec.address) == health_pb2.HealthCheckResponse.SERVING:

@@ -19,6 +19,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from unittest import mock
 
 from bench.common.systems import Endpoint, OursSystem, VllmSystem
 from coordinator.config import DEFAULT_STREAM_INTERVAL, DEFAULT_STREAM_INTERVAL_MS, MAX_STREAM_INTERVAL_MS
@@ -57,10 +58,8 @@ def parse_system(name: str) -> SystemName:
     """``SystemName`` of a system label. Raises ValueError naming it when it is none of the forms."""
     match = _VLLM.match(name)
     if match and (match.group("ar") or int(match.group("k")) >= 1):
-        v1 = match.group("v1") is not None
-        if match.group("ar"):
-            return SystemName("vllm", "ar", model_runner_v1=v1)
-        return SystemName("vllm", "sd", k=int(match.group("k")), model_runner_v1=v1)
+        k = None if match.group("ar") else int(match.group("k"))
+        return SystemName("vllm", "ar" if k is None else "sd", k=k, model_runner_v1=match.group("v1") is not None)
     ours = _OURS.match(name)
     counts = [int(ours.group(g)) for g in ("ds", "si") if ours.group(g) is not None] if ours else []
     vsm = int(ours.group("vsm")) if ours and ours.group("vsm") else 100
@@ -128,16 +127,8 @@ class OursServer(OursSystem):
 
     def __enter__(self) -> Endpoint:
         """Starts the stack with ``engine_env`` in the environment its services inherit."""
-        saved = {key: os.environ.get(key) for key in self._engine_env}
-        os.environ.update(self._engine_env)
-        try:
+        with mock.patch.dict(os.environ, self._engine_env):
             return super().__enter__()
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
 
 
 def vllm_server_argv(python: str, cfg, system: SystemName, port: int, target: tuple[str, str],
