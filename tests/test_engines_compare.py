@@ -355,6 +355,39 @@ def test_a_start_up_gets_the_time_budgets_end_as_its_deadline_and_a_late_one_is_
     assert "**FAILED** psd-vllm" in (tmp_path / "out" / "results.md").read_text()
 
 
+def test_a_system_started_after_the_time_budget_ran_out_is_listed_as_not_measured(tmp_path, monkeypatch):
+    # session 30: vllm-ar-v1 became healthy 2 s after the budget's end; its runs were skipped and
+    # results.md showed empty tables without a word on why
+    import time
+    from types import SimpleNamespace
+
+    from bench.engines import engines_compare
+
+    class _LateStart:
+        start_deadline = None
+
+        def __init__(self, name, cfg, logs):
+            self.name = name
+
+        def __enter__(self):
+            time.sleep(max(0.0, self.start_deadline - time.monotonic()) + 0.05)   # healthy just after the budget
+            return SimpleNamespace(base_url="http://127.0.0.1:1", model="m", step_log=None)
+
+        def __exit__(self, *exc):
+            return None
+
+    monkeypatch.setattr(engines_compare, "VllmServer", _LateStart)
+    data = tmp_path / "question.jsonl"
+    data.write_text(json.dumps({"question_id": 1, "category": "translation", "turns": ["Hi"]}) + "\n")
+    cfg = CompareConfig(out_dir=str(tmp_path / "out"), data=str(data), systems=("vllm-ar-v1",), num_warmup=0,
+                        concurrencies=(16, 64), min_requests=1, max_requests=1, time_budget_s=0.5)
+    results = engines_compare.run_compare(cfg, "test")
+    assert [(r["concurrency"], r["skipped"]) for r in results["runs"]] == [(16, "time budget"), (64, "time budget")]
+    assert all(r["startup_s"] >= 0.5 for r in results["runs"])
+    text = (tmp_path / "out" / "results.md").read_text()
+    assert "**NOT MEASURED** vllm-ar-v1 at c = 16, 64: time budget (its start-up took" in text
+
+
 def test_only_v1_systems_start_their_engines_on_vllms_v1_model_runner():
     assert parse_system("vllm-ar-v1").engine_env == parse_system("psd-vllm-v1").engine_env == {
         "VLLM_USE_V2_MODEL_RUNNER": "0"}

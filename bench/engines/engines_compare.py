@@ -114,7 +114,8 @@ def run_system(name: str, cfg: CompareConfig, prompts, deadline: float) -> list[
                                                           NUM_WARMUP_TOKENS, ignore_eos=True))
         for concurrency in cfg.concurrencies:
             if time.monotonic() > deadline:
-                records.append({"system": name, "concurrency": concurrency, "skipped": "time budget"})
+                records.append({"system": name, "concurrency": concurrency, "startup_s": startup_s,
+                                "skipped": "time budget"})
                 continue
             records.append(_measure(name, cfg, server, endpoint, prompts[:cfg.num_requests(concurrency)],
                                     concurrency, startup_s))

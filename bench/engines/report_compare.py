@@ -166,7 +166,20 @@ def markdown(results: dict, cfg) -> str:
         lines += [f"- {g['system']} c={g['concurrency']}: {g['num_equal']}/{g['num_compared']}" + _repeat_note(g)
                   for g in results["greedy_vs_vllm_ar"]]
     lines += [f"\n**FAILED** {f['system']}: `{f['error'][-500:]}`" for f in results["failures"]]
+    lines += not_measured(results["runs"])
     return "\n".join(lines) + "\n"
+
+
+def not_measured(runs: list[dict]) -> list[str]:
+    """A line per system that started but was not measured at some concurrency (``skipped``:
+    e.g. the time budget ran out after its start-up), so an empty table says why."""
+    skipped = {}
+    for r in runs:
+        if "skipped" in r:
+            skipped.setdefault((r["system"], r["skipped"], r.get("startup_s")), []).append(r["concurrency"])
+    return [f"\n**NOT MEASURED** {system} at c = {', '.join(map(str, cs))}: {why}"
+            + ("" if startup_s is None else f" (its start-up took {startup_s:.0f} s)")
+            for (system, why, startup_s), cs in skipped.items()]
 
 
 def merge(out_dir: str, result_files: list[str]) -> dict:
