@@ -114,6 +114,18 @@ def test_draft_calls_with_a_fixed_part_keep_k_large() -> None:
     assert _settled_k(widths) in (3, 4)
 
 
+def test_a_draft_call_far_slower_than_the_verify_settles_at_a_shorter_k() -> None:
+    """The vLLM drafter with resident sessions on one H100 under MPS (BENCHMARKS.md, session 30, c = 64):
+    a Draft call of 32 rows is 15.9 ms at k = 1 (admission, the catch-up step beside the verifier's
+    forward) plus 5.1 ms a further draft token; verify 16.8 ms, 4.6 ms a step beyond the engines,
+    alpha 0.7. Goodput per k: 1.70 / 21.4, 2.19 / 25.6, 2.53 / 30.7, 2.77 / 35.8 tokens per ms and
+    row: k = 2, 10% above the fixed k = 4 that session 30 ran."""
+    _, history = _simulate(lambda n, k: 10.8 + 5.1 * k, lambda n, k: 16.8, _batch(0.7, n=32), max_k=4,
+                           step_overhead_ms=4.6)
+    widths = [{"r0": max(ks.values())} for ks in history]
+    assert _settled_k(widths) == 2
+
+
 def test_flat_verify_grows_k_until_draft_time_reaches_verify_time() -> None:
     """Lemma 2: verify 180 ms whatever k (memory-bound), 9 ms per draft forward of 4 rows: psd
     settles on the largest k with t_draft <= t_verify's neighbourhood, here k = 8 of k_max 8
