@@ -144,7 +144,13 @@ PROFILED = (   # (file suffix, function): where a draft call's time goes inside 
     ("v1/core/sched/scheduler.py", "schedule"), ("v1/core/kv_cache_manager.py", "get_computed_blocks"),
     ("v1/core/kv_cache_manager.py", "allocate_slots"), ("v1/core/kv_cache_manager.py", "free"),
     ("v1/core/sched/scheduler.py", "update_from_output"), ("v1/worker/gpu_model_runner.py", "execute_model"),
-    ("v1/worker/gpu_model_runner.py", "_model_forward"))
+    ("v1/worker/gpu_model_runner.py", "_model_forward"),
+    # a resumed draft session (``sessions``): the scheduler's update, then the request handed to the
+    # runner again with all its tokens (V1 runner: ``_update_states``; Model Runner V2, the drafter's on
+    # CUDA with vLLM 0.24: ``add_requests`` removes and re-adds it, ``finish_requests`` when it stops)
+    ("v1/core/sched/scheduler.py", "_update_request_as_session"), ("v1/core/sched/output.py", "from_request"),
+    ("v1/worker/gpu_model_runner.py", "_update_states"), ("v1/worker/gpu/model_runner.py", "add_requests"),
+    ("v1/worker/gpu/model_runner.py", "finish_requests"), ("v1/worker/gpu/model_runner.py", "execute_model"))
 
 
 def _profiled_ms(profile, num_calls: int) -> dict[str, float]:

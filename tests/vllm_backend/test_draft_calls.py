@@ -38,13 +38,18 @@ def test_profile_splits_a_call_into_vllm_s_parts(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("MINEDRAFT_CACHE", str(tmp_path / "cache"))
     assert draft_calls.main(["--device", "cpu", "--dtype", "float32", "--draft", "random:tiny-llama-hd64",
                              "--enforce-eager", "--rows", "8", "--k", "3", "--num-calls", "3", "--num-warmup", "1",
-                             "--max-model-len", "256", "--setups", "drafting", "--profile",
+                             "--max-model-len", "256", "--setups", "drafting,sessions", "--profile",
                              "--out-dir", str(tmp_path / "out")]) == 0
-    (row,) = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+    row, session_row = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
     parts = row["profile_ms_per_call"]
     for name in ("llm_engine.py:add_request", "scheduler.py:schedule", "gpu_model_runner.py:execute_model"):
         assert 0 < parts[name] < row["ms_per_call"] * 1.5, (name, parts)   # cProfile's own overhead aside
     assert parts["gpu_model_runner.py:_model_forward"] < parts["gpu_model_runner.py:execute_model"]
+    # a resumed session: no admission, the scheduler's session update and the runner's re-add instead
+    session_parts = session_row["profile_ms_per_call"]
+    assert session_row["setup"] == "sessions" and "llm_engine.py:add_request" not in session_parts
+    for name in ("scheduler.py:_update_request_as_session", "gpu_model_runner.py:_update_states"):
+        assert 0 < session_parts[name] < session_parts["gpu_model_runner.py:execute_model"], (name, session_parts)
 
 
 @pytest.mark.parametrize("prompt_tokens, max_model_len, fits", [(8, 256, True), (100, 256, True), (122, 256, True), (123, 256, False),
