@@ -68,6 +68,7 @@ case "$TABLE" in
            SYSTEMS=${SYSTEMS:-vllm-ar,ar-vllm,psd-vllm,vllm-sd-k4,sd-vllm,psd-native} ;;
   *) echo "unknown TABLE $TABLE" >&2; exit 2 ;;
 esac
+rm -rf "/tmp/work/$TABLE/logs"   # a warm machine keeps an earlier call's logs: logs.tgz holds this call's alone
 python3 -m bench.engines.engines_compare --out-dir "$OUT/$TABLE" --work-dir /tmp/work/$TABLE --device cuda --dtype bfloat16 \
     $ARGS --systems "$SYSTEMS" --concurrencies "${CONCURRENCIES:-1,4,16,32,64}" --k 4 --m 32 \
     --max-model-len "${MAX_MODEL_LEN:-2048}" $([ "${MPS:-1}" = 0 ] || echo --cuda-mps) --drafter-gpu 0 --requests-per-client 2 --min-requests 4 --max-requests 128 \
