@@ -37,6 +37,8 @@ import random
 import sys
 import time
 
+from bench.engines.draft_call_timing import Timed, profiled_ms
+
 SETUPS = ("drafting", "drafting-piecewise", "vllm-default", "sessions", "proposer")
 
 
@@ -78,45 +80,6 @@ def _parse(argv):
     return a
 
 
-class _Timed:
-    """Wraps an engine's ``add_request`` and its engine core's step (``engine_core.get_output``,
-    what the drafters read through ``core_step``; counted as ``step``) to count calls and seconds."""
-
-    def __init__(self, engine) -> None:
-        self.seconds = {"add_request": 0.0, "step": 0.0}
-        self.calls = {"add_request": 0, "step": 0}
-        self.step_ms: list[float] = []   # each step's ms since the last ``reset`` / ``end_call``
-        self.first_step_ms: list[float] = []   # per call: its first step (the catch-up)
-        self.later_step_ms: list[float] = []   # per call: its other steps (decode)
-        for name, owner, attr in (("add_request", engine, "add_request"), ("step", engine.engine_core, "get_output")):
-            setattr(owner, attr, self._wrap(name, getattr(owner, attr)))
-
-    def _wrap(self, name, fn):
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                seconds = time.perf_counter() - t
-                self.seconds[name] += seconds
-                self.calls[name] += 1
-                if name == "step":
-                    self.step_ms.append(seconds * 1e3)
-        return timed
-
-    def reset(self) -> None:
-        self.seconds = dict.fromkeys(self.seconds, 0.0)
-        self.calls = dict.fromkeys(self.calls, 0)
-        self.step_ms, self.first_step_ms, self.later_step_ms = [], [], []
-
-    def end_call(self) -> None:
-        """File the steps since the last call under first / later steps."""
-        if self.step_ms:
-            self.first_step_ms.append(self.step_ms[0])
-            self.later_step_ms += self.step_ms[1:]
-        self.step_ms = []
-
-
 def _config(a, setup: str, model: str, load_format: str, max_num_seqs: int):
     from specdec.vllm_backend.engine import VLLM_BLOCK_SIZE, VLLM_CUDAGRAPH_MODE, VllmEngineConfig
 
@@ -139,34 +102,9 @@ def _config(a, setup: str, model: str, load_format: str, max_num_seqs: int):
     return cfg
 
 
-PROFILED = (   # (file suffix, function): where a draft call's time goes inside vLLM (0.24 and 0.32 alike)
-    ("v1/engine/llm_engine.py", "add_request"), ("v1/request.py", "__init__"),
-    ("v1/core/sched/scheduler.py", "schedule"), ("v1/core/kv_cache_manager.py", "get_computed_blocks"),
-    ("v1/core/kv_cache_manager.py", "allocate_slots"), ("v1/core/kv_cache_manager.py", "free"),
-    ("v1/core/sched/scheduler.py", "update_from_output"), ("v1/worker/gpu_model_runner.py", "execute_model"),
-    ("v1/worker/gpu_model_runner.py", "_model_forward"),
-    # a resumed draft session (``sessions``): the scheduler's update, then the request handed to the
-    # runner again with all its tokens (V1 runner: ``_update_states``; Model Runner V2, the drafter's on
-    # CUDA with vLLM 0.24: ``add_requests`` removes and re-adds it, ``finish_requests`` when it stops)
-    ("v1/core/sched/scheduler.py", "_update_request_as_session"), ("v1/core/sched/output.py", "from_request"),
-    ("v1/worker/gpu_model_runner.py", "_update_states"), ("v1/worker/gpu/model_runner.py", "add_requests"),
-    ("v1/worker/gpu/model_runner.py", "finish_requests"), ("v1/worker/gpu/model_runner.py", "execute_model"))
-
-
-def _profiled_ms(profile, num_calls: int) -> dict[str, float]:
-    """Cumulative ms per call of each ``PROFILED`` function (absent ones left out)."""
-    import pstats
-
-    totals: dict[str, float] = {}
-    for (path, _, name), (_, _, _, cumulative, _) in pstats.Stats(profile).stats.items():
-        for suffix, function in PROFILED:
-            if name == function and path.endswith(suffix):
-                key = f"{suffix.rsplit('/', 1)[-1]}:{function}"
-                totals[key] = totals.get(key, 0.0) + cumulative * 1e3 / num_calls
-    return totals
-
-
-def _measure(a, worker, timed: _Timed, n: int, seed: int) -> dict:
+def _measure(a, worker, timed: Timed, n: int, seed: int, before_call=None) -> dict:
+    """``--num-warmup`` then ``--num-calls`` draft calls of n rows (module docstring); ``before_call``
+    (if given) runs before each call, untimed (``bench.engines.parallel_drafters``: a barrier)."""
     from specdec.sample.sampling import SamplingParams
 
     rng, greedy = random.Random(seed), SamplingParams(temperature=0.0, seed=0)
@@ -185,6 +123,8 @@ def _measure(a, worker, timed: _Timed, n: int, seed: int) -> dict:
                 timed.reset()
             if profile is not None and call == a.num_warmup:
                 profile.enable()
+            if before_call is not None:
+                before_call()
             t = time.perf_counter()
             rows, _ = worker.draft(ids, committed, a.k)
             drafts += rows
@@ -197,8 +137,8 @@ def _measure(a, worker, timed: _Timed, n: int, seed: int) -> dict:
         for rid in ids:
             worker.release(rid)
     calls = len(ms)
-    profiled = {"profile_ms_per_call": _profiled_ms(profile, calls)} if profile is not None else {}
-    return {"rows": n, "k": a.k, "ms_per_call": sum(ms) / calls, "ms_per_call_min": min(ms),
+    profiled = {"profile_ms_per_call": profiled_ms(profile, calls)} if profile is not None else {}
+    return {"rows": n, "k": a.k, "ms_per_call": sum(ms) / calls, "ms_per_call_min": min(ms), "call_ms": ms,
             "steps_per_call": timed.calls["step"] / calls,
             "add_request_ms_per_call": timed.seconds["add_request"] * 1e3 / calls,
             "step_ms_per_call": timed.seconds["step"] * 1e3 / calls,
@@ -258,11 +198,8 @@ def _markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = _parse(argv)
-    from bench.engines.vllm_backend_smoke import allow_another_capture
-    from specdec.vllm_backend.draft import VllmDraftWorker
-    from specdec.vllm_backend.draft_sessions import VllmSessionDraftWorker
+def resolve_draft(a) -> tuple[str, str]:
+    """(model dir, vLLM load format) of ``--draft`` (random presets are written once, cached)."""
     from specdec.vllm_backend.models import resolve_vllm_model
 
     target_dir = None
@@ -270,20 +207,35 @@ def main(argv: list[str] | None = None) -> int:
         from specdec.config import ModelConfig
         from specdec.models.resolve import resolve_model_dir
         target_dir = resolve_model_dir(ModelConfig(model=a.target))
-    model, load_format = resolve_vllm_model(a.draft, target_dir)
+    return resolve_vllm_model(a.draft, target_dir)
+
+
+def build_worker(a, setup: str, model: str, load_format: str):
+    """The draft worker of ``setup`` (``SETUPS``) on ``model``, ``a.slots`` request slots."""
+    from specdec.vllm_backend.draft import VllmDraftWorker
+    from specdec.vllm_backend.draft_sessions import VllmSessionDraftWorker
+
+    worker_cls = VllmSessionDraftWorker if setup == "sessions" else VllmDraftWorker
+    return worker_cls(_config(a, setup, model, load_format, a.slots), seed=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parse(argv)
+    from bench.engines.vllm_backend_smoke import allow_another_capture
+
+    model, load_format = resolve_draft(a)
     workers, start_s, failures = {}, {}, {}   # all kept: a collected engine tears down vLLM's process-wide groups
     for setup in a.setups:
         allow_another_capture()
         t = time.perf_counter()
         try:
-            worker_cls = VllmSessionDraftWorker if setup == "sessions" else VllmDraftWorker
-            workers[setup] = worker_cls(_config(a, setup, model, load_format, a.slots), seed=0)
+            workers[setup] = build_worker(a, setup, model, load_format)
         except Exception as exc:   # a set-up vLLM refuses (e.g. a CUDA-graph mode) is reported, the others run
             failures[setup] = f"{type(exc).__name__}: {exc}"
             print("DRAFT_CALLS failed", setup, failures[setup], flush=True)
             continue
         start_s[setup] = time.perf_counter() - t
-    timers = {setup: _Timed(worker.engine) for setup, worker in workers.items()}
+    timers = {setup: Timed(worker.engine) for setup, worker in workers.items()}
     rows = []
     for n in a.rows:   # the set-ups take turns at each point, so neither gets the process's warm-up
         reference = None   # the first set-up's drafts at this point

@@ -13,6 +13,7 @@
 # SMOKE=1 first runs bench.engines.vllm_backend_smoke (the backend's workers in-process, greedy sd = ar;
 # SMOKE_ARGS its flags, SMOKE_ONLY=1 stops after it); PROFILE=1 first runs bench.engines.ar_step_profile (PROFILE_ARGS);
 # DRAFT_CALLS=1 first runs bench.engines.draft_calls (DRAFT_CALLS_ARGS: one vLLM draft call per engine set-up);
+# PARALLEL_DRAFTERS=1 then bench.engines.parallel_drafters (PARALLEL_DRAFTERS_ARGS: R rows in 1 process vs R / P in P);
 # RPC_FLOOR=0 skips bench.engines.rpc_floor (the floor of one Verify RPC on the host, run first by default).
 set -u
 TABLE=${1:?TABLE: paper or smollm2}
@@ -58,6 +59,11 @@ if [ -n "${DRAFT_CALLS:-}" ]; then   # what one vLLM draft call costs: engine st
   timeout "${DRAFT_CALLS_TIMEOUT:-300}" python3 -m bench.engines.draft_calls --device cuda --out-dir "$OUT/$TABLE/draft_calls" \
       ${DRAFT_CALLS_ARGS:---draft random:qwen3-0.6b --rows 1,8,16,32 --max-model-len 1024 --setups drafting,drafting-piecewise,vllm-default} 2>&1 \
       | tee "$OUT/$TABLE/draft_calls.log" | grep -E "DRAFT_CALLS|Error" | tail -20
+fi
+if [ -n "${PARALLEL_DRAFTERS:-}" ]; then   # one draft call of R rows in one process against R / P rows in each of P
+  timeout "${PARALLEL_DRAFTERS_TIMEOUT:-300}" python3 -m bench.engines.parallel_drafters --device cuda --out-dir "$OUT/$TABLE/parallel_drafters" \
+      ${PARALLEL_DRAFTERS_ARGS:---draft random:qwen3-0.6b --rows 32 --processes 1,2,4 --setup sessions --prompt-tokens 400 --max-model-len 1024 --num-calls 10 --cuda-mps} 2>&1 \
+      | tee "$OUT/$TABLE/parallel_drafters.log" | grep -E "PARALLEL_DRAFTERS|Error" | tail -20
 fi
 [ -z "${SMOKE_ONLY:-}" ] || exit 0
 left() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
