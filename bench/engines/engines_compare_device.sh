@@ -61,7 +61,7 @@ if [ -n "${DRAFT_CALLS:-}" ]; then   # what one vLLM draft call costs: engine st
       | tee "$OUT/$TABLE/draft_calls.log" | grep -E "DRAFT_CALLS|Error" | tail -20
 fi
 if [ -n "${PARALLEL_DRAFTERS:-}" ]; then   # one draft call of R rows in one process against R / P rows in each of P
-  timeout "${PARALLEL_DRAFTERS_TIMEOUT:-300}" python3 -m bench.engines.parallel_drafters --device cuda --out-dir "$OUT/$TABLE/parallel_drafters" \
+  timeout "${PARALLEL_DRAFTERS_TIMEOUT:-340}" python3 -m bench.engines.parallel_drafters --device cuda --out-dir "$OUT/$TABLE/parallel_drafters" \
       ${PARALLEL_DRAFTERS_ARGS:---draft random:qwen3-0.6b --rows 32 --processes 1,2,4 --setup sessions --prompt-tokens 400 --max-model-len 1024 --num-calls 10 --cuda-mps} 2>&1 \
       | tee "$OUT/$TABLE/parallel_drafters.log" | grep -E "PARALLEL_DRAFTERS|Error" | tail -20
 fi

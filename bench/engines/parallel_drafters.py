@@ -8,7 +8,9 @@ those steps side by side on P host cores. This measures that before the stack is
 each P of ``--processes``, P processes each build the same draft engine (``bench.engines.draft_calls``'
 ``--setup``) with R / P of the ``--rows`` R and make ``--num-calls`` draft calls after
 ``--num-warmup``, each call started at one barrier across the P processes, as the coordinator's
-fan-out would start them; a call takes as long as its slowest process. With ``--cuda-mps`` the
+fan-out would start them; a call takes as long as its slowest process. The engines start one
+after another (vLLM sizes its KV cache from the GPU memory it finds free, which another process's
+concurrent start would change under it), then wait at the barrier. With ``--cuda-mps`` the
 processes share the GPU through a private MPS daemon (``minedraft.cuda_mps``), as the stack's
 engines do. Not measured here: the verifier's forward beside them (the stack's first draft step
 took 14.1 ms against 7.6 alone, session 30).
@@ -55,17 +57,19 @@ def _parse(argv):
     return a
 
 
-def _child(argv: list[str], index: int, model: str, load_format: str, barrier, results) -> None:
-    """One process of a run: build the engine, make the calls at the barrier, report (index, point)."""
+def _child(argv: list[str], index: int, model: str, load_format: str, start_lock, barrier, results) -> None:
+    """One process of a run: build the engine (one process at a time), make the calls at the
+    barrier, report (index, point)."""
     try:
         a = draft_calls._parse(argv)
-        t = time.perf_counter()
-        worker = draft_calls.build_worker(a, a.setups[0], model, load_format)
-        start_s = time.perf_counter() - t
+        with start_lock:
+            started = time.time()
+            worker = draft_calls.build_worker(a, a.setups[0], model, load_format)
+            start_span = (started, time.time())
         point = draft_calls._measure(a, worker, Timed(worker.engine), a.rows[0], seed=index,
                                      before_call=lambda: barrier.wait(BARRIER_TIMEOUT_S))
         point.pop("drafts")
-        results.put((index, {**point, "engine_start_s": start_s}))
+        results.put((index, {**point, "engine_start_s": start_span[1] - start_span[0], "engine_start_span": start_span}))
     except BaseException as exc:   # noqa: BLE001 -- reported to the parent; the others leave the barrier
         barrier.abort()
         results.put((index, {"error": f"{type(exc).__name__}: {exc}"[-2000:]}))
@@ -74,9 +78,9 @@ def _child(argv: list[str], index: int, model: str, load_format: str, barrier, r
 def run(a, num_processes: int, model: str, load_format: str) -> dict:
     """One point: ``num_processes`` processes side by side; per call, the slowest one's ms."""
     ctx = multiprocessing.get_context("spawn")
-    barrier, results = ctx.Barrier(num_processes), ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(a.child_argv[num_processes], i, model, load_format, barrier, results))
-             for i in range(num_processes)]
+    start_lock, barrier, results = ctx.Lock(), ctx.Barrier(num_processes), ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(a.child_argv[num_processes], i, model, load_format, start_lock,
+                                              barrier, results)) for i in range(num_processes)]
     for proc in procs:
         proc.start()
     points = {}
@@ -105,7 +109,8 @@ def summarize(num_processes: int, rows: int, points: list[dict]) -> dict:
             "ms_per_call": sum(slowest) / len(slowest), "ms_per_call_min": min(slowest),
             "process_ms_per_call": [p["ms_per_call"] for p in points], "first_step_ms": mean("first_step_ms"),
             "later_step_ms": mean("later_step_ms"), "steps_per_call": mean("steps_per_call"),
-            "engine_start_s": max(p["engine_start_s"] for p in points)}
+            "engine_start_s": max(p["engine_start_s"] for p in points),
+            "engine_start_spans": [p["engine_start_span"] for p in points]}
 
 
 def _markdown(points: list[dict], meta: dict) -> str:

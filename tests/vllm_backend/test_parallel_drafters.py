@@ -22,13 +22,15 @@ def test_one_and_two_processes_run_and_a_call_lasts_as_long_as_its_slowest_proce
     for point in (one, two):
         assert point["ms_per_call"] >= max(point["process_ms_per_call"]) - 1e-9 > 0
     assert "| 2 | 2 |" in (out / "results.md").read_text()
+    (first_start, first_end), (second_start, second_end) = sorted(two["engine_start_spans"])
+    assert first_end <= second_start   # one engine start at a time (vLLM sizes its KV cache from free memory)
 
 
 def test_the_slowest_process_sets_each_calls_time_and_a_failed_process_fails_the_point() -> None:
     points = [{"call_ms": [10.0, 30.0], "ms_per_call": 20.0, "first_step_ms": 4.0, "later_step_ms": 2.0,
-               "steps_per_call": 4.0, "engine_start_s": 5.0},
+               "steps_per_call": 4.0, "engine_start_s": 5.0, "engine_start_span": (0.0, 5.0)},
               {"call_ms": [20.0, 10.0], "ms_per_call": 15.0, "first_step_ms": 6.0, "later_step_ms": 3.0,
-               "steps_per_call": 4.0, "engine_start_s": 7.0}]
+               "steps_per_call": 4.0, "engine_start_s": 7.0, "engine_start_span": (5.0, 12.0)}]
     point = parallel_drafters.summarize(2, 32, points)
     assert point["ms_per_call"] == pytest.approx(25.0) and point["ms_per_call_min"] == pytest.approx(20.0)
     assert point["first_step_ms"] == pytest.approx(5.0) and point["engine_start_s"] == 7.0
