@@ -36,6 +36,7 @@ from bench.engines.draft_call_timing import Timed
 
 BARRIER_TIMEOUT_S = 600.0   # a process that never reaches the barrier (its engine failed) ends the others' wait
 RESULT_TIMEOUT_S = 1800.0   # the slowest process's engine start and calls
+POLL_S = 5.0                # how often the parent looks for a process that died without reporting
 
 
 def _parse(argv):
@@ -83,12 +84,17 @@ def run(a, num_processes: int, model: str, load_format: str) -> dict:
                                               barrier, results)) for i in range(num_processes)]
     for proc in procs:
         proc.start()
-    points = {}
+    points, deadline = {}, time.monotonic() + RESULT_TIMEOUT_S
     try:
-        while len(points) < num_processes:
-            index, point = results.get(timeout=RESULT_TIMEOUT_S)
-            points[index] = point
-    except queue_module.Empty:
+        while len(points) < num_processes and time.monotonic() < deadline:
+            try:
+                index, point = results.get(timeout=POLL_S)
+                points[index] = point
+            except queue_module.Empty:   # a process that died without a word (a crash) fails the point
+                dead = [i for i, proc in enumerate(procs) if i not in points and proc.exitcode not in (None, 0)]
+                points.update({i: {"error": f"process {i} exited with code {procs[i].exitcode}"} for i in dead})
+                if dead:
+                    barrier.abort()
         points.update({i: {"error": "no result in time"} for i in range(num_processes) if i not in points})
     finally:
         for proc in procs:

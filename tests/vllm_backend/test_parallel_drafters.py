@@ -38,6 +38,19 @@ def test_the_slowest_process_sets_each_calls_time_and_a_failed_process_fails_the
     assert failed == {"processes": 2, "rows": 32, "errors": ["RuntimeError: no KV cache"]}
 
 
+def test_a_process_that_dies_without_reporting_fails_its_point(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(parallel_drafters, "_child", _crash)   # spawn pickles the patched name's target
+    monkeypatch.setattr(parallel_drafters, "POLL_S", 0.2)
+    a = parallel_drafters._parse(TINY + ["--rows", "4", "--processes", "2", "--out-dir", str(tmp_path)])
+    point = parallel_drafters.run(a, 2, "unused", "dummy")
+    assert point["processes"] == 2 and point["errors"] and all("exited with code 3" in e for e in point["errors"])
+
+
+def _crash(*args) -> None:
+    import os
+    os._exit(3)
+
+
 @pytest.mark.parametrize("processes", ["3", "0", "1,5"])
 def test_process_counts_must_divide_the_rows(processes) -> None:
     with pytest.raises(SystemExit):
