@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+from specdec.models.cache import cache_root
+
 DEFAULT_DRAFT_DIR = "drafts/smollm2-135m-instruct"  # written by `minedraft distill` (issue 4)
 DEFAULT_TRUNCATED_LAYERS = (0, 1, 2, 3)  # untrained fallback draft: the target's first layers
 
@@ -28,7 +30,7 @@ def draft_fits_target(draft_dir: str, target_dir: str) -> bool:
         return True
 
 
-def resolve_draft_dir(cfg, target_dir: str, cache_root: str | None = None) -> str:
+def resolve_draft_dir(cfg, target_dir: str, cache_dir: str | None = None) -> str:
     """The draft dir of ``cfg`` (a ``minedraft.stack.StackConfig``; only its ``draft`` is read):
     ``cfg.draft``; else ``drafts/smollm2-135m-instruct`` (distilled) when it
     exists and its recorded target's embedding shape is the target's (``draft_fits_target``:
@@ -43,7 +45,7 @@ def resolve_draft_dir(cfg, target_dir: str, cache_root: str | None = None) -> st
         return cfg.draft
     if os.path.isdir(DEFAULT_DRAFT_DIR) and draft_fits_target(DEFAULT_DRAFT_DIR, target_dir):
         return DEFAULT_DRAFT_DIR
-    root = cache_root or os.environ.get("MINEDRAFT_CACHE", os.path.expanduser("~/.cache/minedraft"))
+    root = cache_dir or cache_root()
     key = hashlib.sha1(os.path.abspath(target_dir).encode()).hexdigest()[:10]
     layers = list(DEFAULT_TRUNCATED_LAYERS)
     out_dir = os.path.join(root, "drafts", f"truncated-{key}-{'-'.join(map(str, layers))}")

@@ -118,10 +118,11 @@ class OursServer(OursSystem):
 
         os.makedirs(logs_dir, exist_ok=True)
         self._step_log = os.path.join(logs_dir, "steps.jsonl")
-        stack = our_stack_config(parse_system(name), cfg, logs_dir, self._step_log)
+        system = parse_system(name)
+        stack = our_stack_config(system, cfg, logs_dir, self._step_log)
         self._stack = Stack(stack, run_dir=logs_dir)
         self._model_dir = resolve_model_dir(cfg.target)
-        self._engine_env = parse_system(name).engine_env
+        self._engine_env = system.engine_env
         self.endpoint = Endpoint(f"http://127.0.0.1:{stack.http_port}/v1", os.path.basename(os.path.normpath(cfg.target)),
                                  self._step_log, logs_dir)
 

@@ -53,8 +53,8 @@ def _parse(argv):
         p.error(f"--processes: each must be >= 1 and divide --rows {a.rows}, got {bad}")
     a.child_argv = {n: rest + ["--rows", str(a.rows // n), "--setups", a.setup, "--out-dir", a.out_dir]
                     for n in a.processes}
-    for child_argv in a.child_argv.values():   # draft_calls' own errors before any process starts
-        draft_calls._parse(child_argv)
+    children = [draft_calls._parse(child_argv) for child_argv in a.child_argv.values()]   # their errors first
+    a.child = children[0]   # the draft, k, device: the same in every process
     return a
 
 
@@ -110,7 +110,10 @@ def summarize(num_processes: int, rows: int, points: list[dict]) -> dict:
     if errors:
         return {"processes": num_processes, "rows": rows, "errors": errors}
     slowest = [max(calls) for calls in zip(*(p["call_ms"] for p in points))]
-    mean = lambda key: sum(p[key] for p in points) / len(points)   # noqa: E731 -- a local shorthand
+
+    def mean(key: str) -> float:
+        return sum(p[key] for p in points) / len(points)
+
     return {"processes": num_processes, "rows": rows, "rows_per_process": rows // num_processes,
             "ms_per_call": sum(slowest) / len(slowest), "ms_per_call_min": min(slowest),
             "process_ms_per_call": [p["ms_per_call"] for p in points], "first_step_ms": mean("first_step_ms"),
@@ -139,7 +142,7 @@ def _markdown(points: list[dict], meta: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parse(argv)
-    model, load_format = draft_calls.resolve_draft(draft_calls._parse(a.child_argv[a.processes[0]]))
+    model, load_format = draft_calls.resolve_draft(a.child)
     daemon = None
     if a.cuda_mps:
         from minedraft.cuda_mps import CudaMpsDaemon
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if daemon is not None:
             daemon.stop()
-    child = draft_calls._parse(a.child_argv[a.processes[0]])
+    child = a.child
     meta = {"command": "python -m bench.engines.parallel_drafters " + " ".join(argv if argv is not None else sys.argv[1:]),
             "setup": a.setup, "rows": a.rows, "k": child.k, "draft": child.draft, "device": child.device,
             "cuda_mps": a.cuda_mps, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
