@@ -111,12 +111,14 @@ class DrafterServicer(engine_pb2_grpc.DrafterServicer):
             self._warm_up()
 
     def _warm_up(self) -> None:
+        """One dummy request per draft process (``DraftProcesses`` homes them one on each)."""
         prompt = list(range(1, 1 + WARMUP_NUM_TOKENS))
-        self._add_all([(WARMUP_REQUEST_ID, prompt, SamplingParams(temperature=1.0, seed=0))])
+        ids = [f"{WARMUP_REQUEST_ID}{i}" for i in range(getattr(self.worker, "num_processes", 1))]
+        self._add_all([(rid, prompt, SamplingParams(temperature=1.0, seed=0)) for rid in ids])
         try:
-            self.worker.draft([WARMUP_REQUEST_ID], [(0, prompt)], WARMUP_K)
+            self.worker.draft(ids, [(0, prompt)] * len(ids), WARMUP_K)
         finally:
-            self._release([WARMUP_REQUEST_ID])
+            self._release(ids)
 
     # ---- RPCs -----------------------------------------------------------------------------
     async def _check_ready(self, context) -> None:

@@ -1,0 +1,313 @@
+"""``DraftProcesses``: one drafter's draft engine split over P processes, each request homed on one.
+
+Why: a vLLM draft call is k engine steps whose host work (vLLM's scheduler, input preparation,
+output processing: 3-5 ms a step around ~1 ms of a 0.6B model's GPU work on an H100) runs in one
+Python thread, so at c = 64 psd's step waits on the drafter (BENCHMARKS.md, session 30: a 32-row
+call 31.3 ms against a 17.0-ms verify). P engine processes on the same GPU (under CUDA MPS, as the
+stack's engines share it) run those steps side by side on P host cores, each on its own rows;
+``bench.engines.parallel_drafters`` measures the call alone. Set by ``--draft-processes P``.
+
+The contract is ``specdec.engine_api.DraftEngine``'s, so the drafter service and the coordinator
+do not change. Each process builds the same engine with ``ceil(M / P)`` of the ``M`` slots (and
+1/P of the GPU memory share or CPU KV space); the engines start one after another, since vLLM
+sizes its KV cache from the memory it finds free. A request is homed on one process when it is
+added, for its life: newcomers go where the batch they will join next has the fewest rows (in
+psd the coordinator drafts the two batches in turn and adds newcomers to the batch drafted next,
+so that batch is the one drafted two calls back), ties to the process with fewest requests. A
+draft call sends each process its rows at once and merges the answers in request order; it
+takes as long as the slowest process. Every check that can refuse a call runs here first, so a
+refused call changes no state in any process (as one engine's). A process that dies makes every
+later call raise ``DraftProcessError`` (the coordinator then runs ``ar``; restart the drafter).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import pickle
+from collections import deque
+from dataclasses import replace
+from typing import Callable
+
+from specdec.engine.worker_base import DraftCapacityError
+from specdec.engine_api import EngineFacts
+from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
+
+logger = logging.getLogger("drafter_svc.processes")
+START_TIMEOUT_S = 1800.0   # one process's engine build (a vLLM engine on a fresh GPU host: minutes)
+
+
+class DraftProcessError(RuntimeError):
+    """A draft process died or never started; the drafter cannot draft until it is restarted."""
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling (the parent re-raises it), else a RuntimeError naming it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:   # noqa: BLE001 -- e.g. an exception class whose __init__ takes other arguments
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def _serve(build: Callable[[], object], conn, log_level: str) -> None:
+    """A draft process: build the engine, report its facts, then run ``(method, args)`` calls
+    until the parent closes the pipe."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    try:
+        engine = build()
+        conn.send(("ok", engine.facts()))
+    except BaseException as exc:   # noqa: BLE001 -- reported; the parent raises it
+        conn.send(("error", _portable(exc)))
+        return
+    while True:
+        try:
+            method, args = conn.recv()
+        except (EOFError, OSError):   # the parent is gone
+            return
+        try:
+            if method == "release_each":   # an add's rollback
+                conn.send(("ok", [engine.release(rid) for rid in args[0]]))
+            elif method == "draft":   # draft probs through host memory (a CUDA tensor would need CUDA IPC)
+                token_ids, probs = engine.draft(*args)
+                conn.send(("ok", (token_ids, None if probs is None else probs.cpu())))
+            else:
+                conn.send(("ok", getattr(engine, method)(*args)))
+        except Exception as exc:   # noqa: BLE001 -- the engine's errors (KeyError, ValueError, ...) go back
+            conn.send(("error", _portable(exc)))
+
+
+class DraftProcesses:
+    """A ``DraftEngine`` over ``num_processes`` processes (module docstring).
+
+    Args:
+        builds: one picklable zero-argument callable per process, each returning that process's
+            engine (``drafter_svc.worker.process_builds``); the engines must agree on vocabulary
+            and ``max_model_len``.
+        log_level: the processes' logging level.
+        start_timeout_s: seconds one process may take to build its engine.
+
+    Raises:
+        DraftProcessError: a process failed to start (the others are stopped); the error it
+            raised is the cause.
+    """
+
+    def __init__(self, builds: list[Callable[[], object]], log_level: str = "INFO",
+                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+        ctx = multiprocessing.get_context("spawn")   # CUDA and vLLM in the parent rule out fork
+        self._conns, self._procs, facts = [], [], []
+        self._broken: str | None = None
+        try:
+            for i, build in enumerate(builds):   # one at a time: each engine sizes its KV from free memory
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_serve, args=(build, child, log_level), name=f"draft-process-{i}")
+                proc.start()
+                child.close()
+                self._conns.append(parent)
+                self._procs.append(proc)
+                facts.append(self._started(i, start_timeout_s))
+        except BaseException as exc:
+            self.close()
+            raise DraftProcessError(f"draft process {len(self._procs) - 1} failed to start: {exc}") from exc
+        self._facts = facts
+        self.max_num_seqs = sum(f.max_num_seqs for f in facts)
+        self.max_model_len = min(f.max_model_len for f in facts)
+        # the engine's own rule: the native drafter fits committed + k - 1 tokens, vLLM's committed + k
+        self._draft_slack = int(self._call_each({0: ("can_draft", (self.max_model_len, 1))})[0] is True)
+        self._home: dict[str, int] = {}                  # request id -> its process
+        self._committed_len: dict[str, int] = {}         # request id -> committed tokens the process holds
+        self._recent_calls: deque[list[str]] = deque(maxlen=2)   # the last two draft calls' request ids
+        logger.info("draft engine in %d processes (pids %s), %d slots in all", len(self._procs),
+                    ", ".join(str(p.pid) for p in self._procs), self.max_num_seqs)
+
+    @property
+    def num_processes(self) -> int:
+        return len(self._procs)
+
+    # ---- the DraftEngine contract -------------------------------------------------------------
+    def facts(self) -> EngineFacts:
+        """The first process's facts with the slots of all (``max_num_seqs``, ``num_free_slots``)."""
+        self._check_alive()
+        return replace(self._facts[0], max_num_seqs=self.max_num_seqs, num_free_slots=self.max_num_seqs - len(self._home))
+
+    def can_draft(self, num_committed_tokens: int, k: int) -> bool:
+        """Whether a sequence of that many committed tokens fits k more (the processes' engine's rule)."""
+        return num_committed_tokens + k - self._draft_slack <= self.max_model_len
+
+    @property
+    def num_active(self) -> int:
+        return len(self._home)
+
+    def add_requests(self, items: list[tuple[str, list[int], object]]) -> None:
+        """Home and add ``(request id, prompt ids, params)`` requests; all or none (a process's
+        refusal releases what the others added, then raises it). Raises as ``DraftEngine``."""
+        self._check_alive()
+        ids = [rid for rid, _, _ in items]
+        check_new_ids(self._home, ids, self.max_num_seqs)
+        for rid, prompt, _ in items:
+            self._check_tokens(rid, prompt)
+        homes = self._place(ids)
+        parts = self._split(items, [homes[rid] for rid in ids])
+        results = self._call_each({i: ("add_requests", (part,)) for i, part in parts.items()})
+        failed = [exc for exc in results.values() if isinstance(exc, BaseException)]
+        if failed:
+            done = {i: [rid for rid, _, _ in parts[i]] for i, r in results.items() if not isinstance(r, BaseException)}
+            self._call_each({i: ("release_each", (rids,)) for i, rids in done.items() if rids})
+            raise failed[0]
+        self._home.update(homes)
+        self._committed_len.update((rid, len(prompt)) for rid, prompt, _ in items)
+
+    def draft(self, request_ids: list[str], committed: list[tuple[int, list[int]]], k: int | list[int]):
+        """Fan the call out to the rows' processes and merge: (b rows of k_i draft ids, [b, k, V]
+        draft probs or None). Refuses (no state changes anywhere) as ``DraftEngine.draft``."""
+        self._check_alive()
+        known_states(self._home, request_ids)
+        ks = [k] * len(request_ids) if isinstance(k, int) else list(k)
+        if min(ks, default=0) < 0 or len(committed) != len(request_ids) or len(ks) != len(request_ids):
+            raise ValueError(f"need k >= 0 and one committed entry and k per request, got k={k}, "
+                             f"{len(committed)} entries for {len(request_ids)} requests")
+        lengths = [self._new_length(rid, start, ids) for rid, (start, ids) in zip(request_ids, committed)]
+        too_long = [rid for rid, n, k_i in zip(request_ids, lengths, ks) if not self.can_draft(n, k_i)]
+        if too_long:
+            raise DraftCapacityError(too_long, self.max_model_len)
+        rows_of: dict[int, list[int]] = {}
+        for row, rid in enumerate(request_ids):
+            rows_of.setdefault(self._home[rid], []).append(row)
+        results = self._call_each({i: ("draft", ([request_ids[r] for r in rows], [committed[r] for r in rows],
+                                                 [ks[r] for r in rows])) for i, rows in rows_of.items()})
+        if failed := [exc for exc in results.values() if isinstance(exc, BaseException)]:
+            raise failed[0]
+        self._committed_len.update(zip(request_ids, lengths))
+        self._recent_calls.append(list(request_ids))
+        token_ids, probs = _merge(len(request_ids), max(ks, default=0), rows_of, results)
+        return token_ids, None if probs is None else probs.to(self._facts[0].device)
+
+    def release(self, request_id: str) -> None:
+        """Forget the request in its process. Raises KeyError for an unknown id."""
+        self._check_alive()
+        home = self._home[request_id]
+        result = self._call_each({home: ("release", (request_id,))})[home]
+        del self._home[request_id], self._committed_len[request_id]
+        if isinstance(result, BaseException):
+            raise result
+
+    def close(self) -> None:
+        """Stop the processes (their engines shut down as their pipes close)."""
+        for conn in self._conns:
+            conn.close()
+        for proc in self._procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+
+    # ---- homing, checks, calls ------------------------------------------------------------------
+    def _place(self, ids: list[str]) -> dict[str, int]:
+        """A process per new id: where the batch drafted two calls back (the one psd drafts next,
+        which newcomers join) has the fewest rows, then the fewest requests in all."""
+        batch = self._recent_calls[0] if len(self._recent_calls) == 2 else []
+        in_batch = [0] * self.num_processes
+        for rid in batch:
+            if rid in self._home:
+                in_batch[self._home[rid]] += 1
+        total = [0] * self.num_processes
+        for home in self._home.values():
+            total[home] += 1
+        slots = [f.max_num_seqs for f in self._facts]
+        homes = {}
+        for rid in ids:
+            free = [i for i in range(self.num_processes) if total[i] < slots[i]]
+            home = min(free, key=lambda i: (in_batch[i], total[i], i))
+            homes[rid] = home
+            in_batch[home] += 1
+            total[home] += 1
+        return homes
+
+    def _check_tokens(self, rid: str, token_ids: list[int]) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self._facts[0].input_vocab_size]
+        if bad:
+            raise ValueError(f"token ids of {rid!r} must lie in [0, {self._facts[0].input_vocab_size}), got {bad[:8]}")
+
+    def _new_length(self, rid: str, start: int, ids: list[int]) -> int:
+        """The committed length after this call (``merge_committed``'s checks, made here first)."""
+        known = self._committed_len[rid]
+        if not 0 <= start <= known:
+            raise ValueError(f"start_position {start} outside the known committed length {known}")
+        if start + len(ids) == 0:
+            raise ValueError("committed sequence is empty")
+        self._check_tokens(rid, ids)
+        return start + len(ids)
+
+    @staticmethod
+    def _split(items: list, homes: list[int]) -> dict[int, list]:
+        parts: dict[int, list] = {}
+        for item, home in zip(items, homes):
+            parts.setdefault(home, []).append(item)
+        return parts
+
+    def _call_each(self, calls: dict[int, tuple[str, tuple]]) -> dict[int, object]:
+        """Send every process its call, then collect: {process: result, or the exception it raised}."""
+        for i, call in calls.items():
+            self._send(i, call)
+        return {i: self._receive(i) for i in calls}
+
+    def _send(self, i: int, call: tuple[str, tuple]) -> None:
+        try:
+            self._conns[i].send(call)
+        except (OSError, ValueError) as exc:
+            self._lose(i, exc)
+
+    def _started(self, i: int, timeout_s: float) -> EngineFacts:
+        """Process i's engine facts once it is built; raises what its build raised."""
+        if not self._conns[i].poll(timeout_s):
+            raise TimeoutError(f"no engine in {timeout_s:.0f} s")
+        status, value = self._receive_raw(i)
+        if status == "error":
+            raise value
+        return value
+
+    def _receive(self, i: int) -> object:
+        """Process i's answer: its result, or the exception its engine raised."""
+        return self._receive_raw(i)[1]
+
+    def _receive_raw(self, i: int) -> tuple[str, object]:
+        try:
+            return self._conns[i].recv()
+        except (EOFError, OSError) as exc:
+            self._lose(i, exc)
+
+    def _lose(self, i: int, exc: BaseException):
+        self._procs[i].join(timeout=5)
+        self._broken = f"draft process {i} is gone (exit code {self._procs[i].exitcode}): {exc!r}"
+        logger.error("%s; restart the drafter", self._broken)
+        raise DraftProcessError(self._broken) from exc
+
+    def _check_alive(self) -> None:
+        if self._broken is not None:
+            raise DraftProcessError(self._broken)
+
+
+def _merge(num_rows: int, k: int, rows_of: dict[int, list[int]], results: dict[int, tuple]):
+    """The processes' (ids, probs) answers in request order. Probs [b, k, V] when any process
+    returned some (zeros past a row's k_i, as one engine's); the rows of a process that returned
+    none (all its rows greedy) get the one-hot of their draft tokens, which is what one engine
+    gives greedy rows beside sampled ones and what a verifier assumes of absent probs. None when
+    no process returned probs."""
+    token_ids: list[list[int]] = [[] for _ in range(num_rows)]
+    for i, rows in rows_of.items():
+        for row, ids in zip(rows, results[i][0]):
+            token_ids[row] = ids
+    parts = {i: results[i][1] for i in rows_of if results[i][1] is not None}
+    if not parts:
+        return token_ids, None
+    import torch
+
+    sample = next(iter(parts.values()))
+    probs = torch.zeros((num_rows, k, sample.shape[-1]), dtype=sample.dtype)
+    for i, rows in rows_of.items():
+        if i in parts:
+            probs[rows, :parts[i].shape[1]] = parts[i]
+            continue
+        for row in rows:
+            probs[row, torch.arange(len(token_ids[row])), token_ids[row]] = 1.0
+    return token_ids, probs
