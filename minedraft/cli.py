@@ -63,6 +63,10 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
                         "inside the engine step after each sampled one: one engine step per draft call instead of k "
                         "(specdec.vllm_backend.draft; not with --draft-sessions; with vLLM 0.24 slower than k steps: 4x per draft "
                         "call on an H100, BENCHMARKS.md)")
+    p.add_argument("--draft-processes", type=int, default=1, metavar="P",
+                   help="run the drafter's engine as P processes on its device, each request homed on one, so a "
+                        "draft call's engine steps run side by side on P host cores (drafter_svc.processes; "
+                        "default 1)")
     p.add_argument("--bench-fixed-acceptance", type=float, default=None, metavar="P",
                    help="BENCHMARK-ONLY: the verifier accepts each draft token with probability P instead of "
                         "rejection sampling (changes the output distribution; for random:<preset> models)")
@@ -147,7 +151,8 @@ def stack_config(args: argparse.Namespace, mode: str) -> StackConfig:
                        max_num_batched_tokens=args.max_num_batched_tokens, engine=args.engine,
                        engine_python=args.engine_python, gpu_memory_utilization=args.gpu_memory_utilization,
                        enforce_eager=args.enforce_eager, draft_sessions=args.draft_sessions,
-                       draft_proposer=args.draft_proposer, api_key=args.api_key,
+                       draft_proposer=args.draft_proposer, draft_processes=args.draft_processes,
+                       api_key=args.api_key,
                        max_queue_len=args.max_queue_len,
                        grace_s=args.grace, num_decode_steps=args.decode_steps,
                        stream_decode_steps=args.stream_decode_steps, stream_interval=args.stream_interval,

@@ -89,6 +89,8 @@ class StackConfig:
         draft_proposer: the vLLM drafter drafts with vLLM's own draft-model proposer, k - 1
             tokens inside the step after each sampled one (``--draft-proposer``; the drafter's
             ``--draft-proposer-tokens``): one engine step per draft call instead of k.
+        draft_processes: the drafter's engine as that many processes, each request homed on one
+            (``--draft-processes``; ``drafter_svc.processes``); 1: one engine in the drafter.
         api_key: the gateway's API key ("" = the gateway's default, ``$MINEDRAFT_API_KEY`` if set);
             passed in the gateway's environment, not on its command line.
         max_queue_len: the coordinator's waiting-request limit; grace_s: drain seconds on SIGTERM
@@ -141,6 +143,7 @@ class StackConfig:
     enforce_eager: bool = False
     draft_sessions: bool = False
     draft_proposer: bool = False
+    draft_processes: int = 1
     api_key: str = ""
     max_queue_len: int = 1024
     grace_s: float = 5.0
@@ -183,6 +186,8 @@ class StackConfig:
             "grace_s": (0 <= self.grace_s < self.stop_timeout_s, "must be >= 0 and below stop_timeout_s"),
             "gpu_memory_utilization": (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
                                        "must be in (0, 1]"),
+            "draft_processes": (1 <= self.draft_processes <= self.num_engine_slots,
+                                f"must be in [1, {self.num_engine_slots}] (the drafter's slots)"),
         }
         checks["draft_sessions"] = (not self.draft_sessions or self.engine == "vllm", "needs --engine vllm")
         checks["draft_proposer"] = (not self.draft_proposer or (self.engine == "vllm" and not self.draft_sessions
@@ -301,6 +306,8 @@ def drafter_spec(cfg: StackConfig, model_dir: str, draft_dir: str) -> ServiceSpe
             *_engine_args(cfg, cfg.drafter_port, cfg.num_engine_threads), "--device", cfg.placement.drafter_device()]
     if cfg.engine == "vllm":
         argv += vllm_service_args(cfg, "drafter", draft_dir)
+    if cfg.draft_processes > 1:
+        argv += ["--draft-processes", str(cfg.draft_processes)]
     cpus = _pinned(cfg, DRAFTER_CPU)
     return ServiceSpec("drafter", argv, f"{cfg.host}:{cfg.drafter_port}", cpus, cfg.placement.drafter_env(),
                        cfg.uses_cuda_mps)

@@ -141,17 +141,25 @@ def test_gateway_serving_only_after_all_services_are_warm(psd_stack):
     assert health_status(f"{stack.cfg.host}:{stack.cfg.gateway_port}") == SERVING
 
 
-@pytest.mark.parametrize("mode", ["psd", "sd"])
+@pytest.mark.parametrize("mode", ["psd", "sd", "psd-dp2"])
 def test_speculative_output_equals_autoregressive_at_temperature_0(mode, psd_stack, model_dirs, ar_outputs,
                                                                    tmp_path_factory):
+    """``psd-dp2``: the drafter's engine as two processes (``--draft-processes 2``)."""
     if mode == "psd":
         results, status = _generate_all(psd_stack[0].cfg), _status(psd_stack[0].cfg)
         assert status.num_parallel_steps > 0  # drafting one batch while verifying the other
     else:
         target, draft = model_dirs
-        with Stack(_config(mode, target, draft, str(tmp_path_factory.mktemp("runs")))) as stack:
+        mode, _, processes = mode.partition("-dp")
+        cfg = _config(mode, target, draft, str(tmp_path_factory.mktemp("runs")), draft_processes=int(processes or 1))
+        with Stack(cfg) as stack:
             stack.start(target, log=lambda line: None)
             results, status = _generate_all(stack.cfg), _status(stack.cfg)
+            drafter = _wait_slots_free(stack.cfg)[0]
+            with open(os.path.join(stack.run_dir, "drafter.log")) as f:
+                is_split = f"draft engine in {processes} processes" in f.read()
+        assert drafter.max_num_seqs == cfg.num_engine_slots and not drafter.request_ids
+        assert is_split == bool(processes)
     assert status.effective_mode == mode and status.num_draft_tokens > 0
     assert sum(r.usage.num_drafts for r in results) > 0
     assert len({len(o) for o in ar_outputs}) > 1  # requests finished at different steps

@@ -117,6 +117,25 @@ def test_vllm_services_refuse_native_tp_flags_before_serving(capsys):
     assert args.engine == "vllm" and args.num_speculative_tokens == 0
 
 
+def test_draft_processes_reach_only_the_drafter_on_either_engine(capsys):
+    from drafter_svc.__main__ import parse_args
+    from minedraft.cli import build_parser, stack_config
+
+    specs = _specs(mode="psd", draft_processes=2)
+    assert _flag(specs["drafter"].argv, "--draft-processes") == "2"
+    assert "--draft-processes" not in specs["verifier"].argv and "--draft-processes" not in _specs()["drafter"].argv
+    native = {s.name: s for s in build_service_specs(StackConfig(draft="/draft", draft_processes=3), "/target")}
+    assert _flag(native["drafter"].argv, "--draft-processes") == "3"
+    assert stack_config(build_parser().parse_args(["up", "--draft-processes", "2"]), "psd").draft_processes == 2
+    for bad in (0, 1000):
+        with pytest.raises(ValueError, match="draft_processes"):
+            StackConfig(draft_processes=bad)
+    assert parse_args(["--draft", "/d", "--draft-processes", "4"]).draft_processes == 4
+    with pytest.raises(SystemExit):
+        parse_args(["--draft", "/d", "--draft-processes", "0"])
+    assert "--draft-processes: must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_draft_sessions_reach_only_the_vllm_drafter_and_need_the_vllm_engine(capsys):
     from drafter_svc.__main__ import parse_args
     from minedraft.cli import build_parser, stack_config

@@ -49,6 +49,9 @@ SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, inte
     ("ar-vllm-ds64-v1", SystemName("ours", "ar", "vllm", decode_steps=64, model_runner_v1=True)),
     ("psd-vllm-ses-vsm70-v1", SystemName("ours", "psd", "vllm", draft_sessions=True, verifier_sm_percent=70,
                                          model_runner_v1=True)),
+    ("psd-vllm-ses-dp2", SystemName("ours", "psd", "vllm", draft_sessions=True, draft_processes=2)),
+    ("psd-vllm-adaptive-ses-dp4-vsm70", SystemName("ours", "psd", "vllm", adaptive_k=True, draft_sessions=True,
+                                                   draft_processes=4, verifier_sm_percent=70)),
 ])
 def test_parse_system_reads_every_form(name, expected):
     assert parse_system(name) == expected
@@ -60,7 +63,8 @@ def test_parse_system_reads_every_form(name, expected):
                                   "psd-vllm-vsm0", "psd-vllm-vsm101", "psd-vllm-vsm70-adaptive", "vllm-sd-k3-adaptive",
                                   "psd-vllm-ses-adaptive", "vllm-ar-ses", "ar-vllm-ms60001", "ar-vllm-ms20-si4",
                                   "ar-vllm-msx", "psd-vllm-ses-prop", "psd-vllm-prop-ses", "psd-vllm-prop-adaptive",
-                                  "vllm-v1", "vllm-ar-v2", "vllm-v1-ar", "ar-vllm-v1-ds8", "vllm-sd-k3-v1-v1"])
+                                  "vllm-v1", "vllm-ar-v2", "vllm-v1-ar", "ar-vllm-v1-ds8", "vllm-sd-k3-v1-v1",
+                                  "psd-vllm-dp0", "psd-vllm-dp65", "psd-vllm-dp2-ses", "vllm-sd-k3-dp2"])
 def test_parse_system_refuses_unknown_names_naming_them(name):
     with pytest.raises(ValueError, match=f"unknown system '{name}'"):
         parse_system(name)
@@ -69,11 +73,11 @@ def test_parse_system_refuses_unknown_names_naming_them(name):
 
 
 @pytest.mark.parametrize("name", ["psd-vllm", "psd-vllm-adaptive", "auto-vllm", "sd-native-ds8-vsm60", "sd-vllm-ses",
-                                  "psd-vllm-prop"])
+                                  "psd-vllm-prop", "psd-vllm-ses-dp2"])
 def test_our_stack_config_carries_the_k_policy_and_the_verifier_sm_share(name, tmp_path):
     from bench.engines.compare_systems import our_stack_config
     from minedraft.placement import MPS_SM_ENV
-    from minedraft.stack import verifier_spec
+    from minedraft.stack import drafter_spec, verifier_spec
 
     system = parse_system(name)
     cfg = CompareConfig(out_dir="x", systems=(name,), cuda_mps=True, m=4, k=3)
@@ -83,8 +87,10 @@ def test_our_stack_config_carries_the_k_policy_and_the_verifier_sm_share(name, t
     assert (stack.mode, stack.engine, stack.num_speculative_tokens) == (system.mode, system.engine, 3)
     assert stack.max_num_seqs == (4 if system.mode in ("psd", "auto") else 8)
     assert verifier_spec(stack, "/m").env.get(MPS_SM_ENV) == ("60" if "vsm60" in name else None)
-    assert stack.draft_sessions == name.endswith("-ses")
+    assert stack.draft_sessions == ("-ses" in name)
     assert stack.draft_proposer == name.endswith("-prop")
+    assert stack.draft_processes == (2 if name.endswith("-dp2") else 1)
+    assert (["--draft-processes", "2"] == drafter_spec(stack, "/m", "/d").argv[-2:]) == name.endswith("-dp2")
     if "vsm" in name:
         with pytest.raises(ValueError, match="needs --cuda-mps"):
             CompareConfig(out_dir="x", systems=(name,))

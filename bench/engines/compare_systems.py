@@ -1,12 +1,13 @@
 """The systems of ``bench.engines.engines_compare``: our stack on either engine backend, vLLM's own server.
 
-Names: ``<mode>-<engine>[-ds<N>][-si<S>|-block][-ms<T>][-adaptive][-ses|-prop][-vsm<P>]`` for ours (mode
+Names: ``<mode>-<engine>[-ds<N>][-si<S>|-block][-ms<T>][-adaptive][-ses|-prop][-dp<D>][-vsm<P>]`` for ours (mode
 ``ar``/``sd``/``psd``/``auto``, engine ``vllm`` or ``native``; ``-ds<N>``: ``--decode-steps N`` for
 this system, else the run's; ``-si<S>``: ``--stream-interval S`` (else the default); ``-block``:
 ``--no-stream-decode-steps``, a multi-step call's tokens at its end; ``-ms<T>``:
 ``--stream-interval-ms T`` (0: partial messages by steps only); ``-adaptive``: ``--k-policy
 adaptive``, which ``auto`` always runs; ``-ses``: ``--draft-sessions``, the vLLM drafter's resident
-draft requests; ``-prop``: ``--draft-proposer``, one engine step per draft call; ``-vsm<P>``: ``--cuda-mps-verifier-sm-percent P``), ``vllm-ar`` and
+draft requests; ``-prop``: ``--draft-proposer``, one engine step per draft call; ``-dp<D>``:
+``--draft-processes D``, the drafter's engine as D processes; ``-vsm<P>``: ``--cuda-mps-verifier-sm-percent P``), ``vllm-ar`` and
 ``vllm-sd-k<K>`` for vLLM. A trailing ``-v1`` on any name runs its vLLM engines on vLLM's V1 model
 runner (``VLLM_USE_V2_MODEL_RUNNER=0``), where vLLM 0.24 puts every engine with a ``custom_class``
 or ``draft_model`` speculative method (our sd / psd / auto verifier, vLLM's SD) while plain decoding
@@ -28,7 +29,7 @@ from minedraft.engine_backend import ENGINES, OWN_GPU_UTILIZATION, engine_python
 OUR_MODES = ("ar", "sd", "psd", "auto")
 _VLLM = re.compile(r"^vllm-(?:(?P<ar>ar)|sd-k(?P<k>\d+))(?P<v1>-v1)?$")
 _OURS = re.compile(r"^(?P<mode>[a-z]+)-(?P<engine>[a-z]+)(?:-ds(?P<ds>\d+))?(?:-si(?P<si>\d+)|(?P<block>-block))?"
-                   r"(?:-ms(?P<ms>\d+))?(?P<adaptive>-adaptive)?(?:(?P<ses>-ses)|(?P<prop>-prop))?(?:-vsm(?P<vsm>\d+))?(?P<v1>-v1)?$")
+                   r"(?:-ms(?P<ms>\d+))?(?P<adaptive>-adaptive)?(?:(?P<ses>-ses)|(?P<prop>-prop))?(?:-dp(?P<dp>\d+))?(?:-vsm(?P<vsm>\d+))?(?P<v1>-v1)?$")
 SERVED_MODEL = "minedraft-bench-target"
 
 
@@ -46,6 +47,7 @@ class SystemName:
     verifier_sm_percent: int = 100  # ours: --cuda-mps-verifier-sm-percent
     draft_sessions: bool = False  # ours: --draft-sessions
     draft_proposer: bool = False  # ours: --draft-proposer
+    draft_processes: int = 1  # ours: --draft-processes
     model_runner_v1: bool = False  # -v1: the vLLM engines on vLLM's V1 model runner
 
     @property
@@ -64,18 +66,20 @@ def parse_system(name: str) -> SystemName:
     counts = [int(ours.group(g)) for g in ("ds", "si") if ours.group(g) is not None] if ours else []
     vsm = int(ours.group("vsm")) if ours and ours.group("vsm") else 100
     ms = int(ours.group("ms")) if ours and ours.group("ms") else None
+    dp = int(ours.group("dp")) if ours and ours.group("dp") else 1
     if (ours and ours.group("mode") in OUR_MODES and ours.group("engine") in ENGINES and all(1 <= n <= 64 for n in counts)
-            and 1 <= vsm <= 100 and (ms is None or ms <= MAX_STREAM_INTERVAL_MS)):
+            and 1 <= vsm <= 100 and (ms is None or ms <= MAX_STREAM_INTERVAL_MS) and 1 <= dp <= 64):
         return SystemName("ours", ours.group("mode"), ours.group("engine"),
                           decode_steps=int(ours.group("ds")) if ours.group("ds") else None,
                           stream_decode_steps=ours.group("block") is None,
                           stream_interval=int(ours.group("si")) if ours.group("si") else None, stream_interval_ms=ms,
                           adaptive_k=ours.group("adaptive") is not None or ours.group("mode") == "auto",
                           verifier_sm_percent=vsm, draft_sessions=ours.group("ses") is not None,
-                          draft_proposer=ours.group("prop") is not None, model_runner_v1=ours.group("v1") is not None)
+                          draft_proposer=ours.group("prop") is not None, draft_processes=dp,
+                          model_runner_v1=ours.group("v1") is not None)
     raise ValueError(f"systems: unknown system {name!r} (forms: vllm-ar[-v1], vllm-sd-k<K>[-v1], "
-                     f"<{'|'.join(OUR_MODES)}>-<{'|'.join(ENGINES)}>[-ds<N>][-si<S>|-block][-ms<T>][-adaptive][-ses|-prop][-vsm<P>][-v1], "
-                     f"N and S in [1, 64], T in [0, {MAX_STREAM_INTERVAL_MS}], P in [1, 100])")
+                     f"<{'|'.join(OUR_MODES)}>-<{'|'.join(ENGINES)}>[-ds<N>][-si<S>|-block][-ms<T>][-adaptive][-ses|-prop][-dp<D>][-vsm<P>][-v1], "
+                     f"N, S and D in [1, 64], T in [0, {MAX_STREAM_INTERVAL_MS}], P in [1, 100])")
 
 
 def synthetic_rates(p: float, k: int) -> list[float]:
@@ -96,7 +100,7 @@ def our_stack_config(system: SystemName, cfg, logs_dir: str, step_log: str):
         max_model_len=cfg.max_model_len, dtype=cfg.dtype, device=cfg.device,
         drafter_gpu=cfg.drafter_gpu if is_cuda else -1, cuda_mps=cfg.cuda_mps and is_cuda,
         verifier_sm_percent=system.verifier_sm_percent, draft_sessions=system.draft_sessions,
-        draft_proposer=system.draft_proposer,
+        draft_proposer=system.draft_proposer, draft_processes=system.draft_processes,
         bench_fixed_acceptance=cfg.fixed_acceptance, enforce_eager=cfg.enforce_eager,
         k_policy="adaptive" if system.adaptive_k else "fixed",
         balancer="feedback" if system.mode == "auto" else "paper",
