@@ -25,10 +25,12 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import pickle
+import time
 from collections import deque
 from dataclasses import replace
 from typing import Callable
 
+from drafter_svc.fan_out import FanOutStats, merge_drafts
 from specdec.engine.worker_base import DraftCapacityError
 from specdec.engine_api import EngineFacts
 from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
@@ -69,8 +71,10 @@ def _serve(build: Callable[[], object], conn, log_level: str) -> None:
             if method == "release_each":   # an add's rollback
                 conn.send(("ok", [engine.release(rid) for rid in args[0]]))
             elif method == "draft":   # draft probs through host memory (a CUDA tensor would need CUDA IPC)
+                start = time.perf_counter()
                 token_ids, probs = engine.draft(*args)
-                conn.send(("ok", (token_ids, None if probs is None else probs.cpu())))
+                probs = None if probs is None else probs.cpu()
+                conn.send(("ok", (token_ids, probs, (time.perf_counter() - start) * 1e3)))
             else:
                 conn.send(("ok", getattr(engine, method)(*args)))
         except Exception as exc:   # noqa: BLE001 -- the engine's errors (KeyError, ValueError, ...) go back
@@ -117,6 +121,7 @@ class DraftProcesses:
         self._home: dict[str, int] = {}                  # request id -> its process
         self._committed_len: dict[str, int] = {}         # request id -> committed tokens the process holds
         self._recent_calls: deque[list[str]] = deque(maxlen=2)   # the last two draft calls' request ids
+        self.stats = FanOutStats(len(self._procs))
         logger.info("draft engine in %d processes (pids %s), %d slots in all", len(self._procs),
                     ", ".join(str(p.pid) for p in self._procs), self.max_num_seqs)
 
@@ -173,13 +178,16 @@ class DraftProcesses:
         rows_of: dict[int, list[int]] = {}
         for row, rid in enumerate(request_ids):
             rows_of.setdefault(self._home[rid], []).append(row)
+        start = time.perf_counter()
         results = self._call_each({i: ("draft", ([request_ids[r] for r in rows], [committed[r] for r in rows],
                                                  [ks[r] for r in rows])) for i, rows in rows_of.items()})
         if failed := [exc for exc in results.values() if isinstance(exc, BaseException)]:
             raise failed[0]
         self._committed_len.update(zip(request_ids, lengths))
         self._recent_calls.append(list(request_ids))
-        token_ids, probs = _merge(len(request_ids), max(ks, default=0), rows_of, results)
+        token_ids, probs = merge_drafts(len(request_ids), max(ks, default=0), rows_of, results)
+        self.stats.add(len(request_ids), max(map(len, rows_of.values()), default=0),
+                       (time.perf_counter() - start) * 1e3, max(r[2] for r in results.values()))
         return token_ids, None if probs is None else probs.to(self._facts[0].device)
 
     def release(self, request_id: str) -> None:
@@ -285,29 +293,3 @@ class DraftProcesses:
     def _check_alive(self) -> None:
         if self._broken is not None:
             raise DraftProcessError(self._broken)
-
-
-def _merge(num_rows: int, k: int, rows_of: dict[int, list[int]], results: dict[int, tuple]):
-    """The processes' (ids, probs) answers in request order. Probs [b, k, V] when any process
-    returned some (zeros past a row's k_i, as one engine's); the rows of a process that returned
-    none (all its rows greedy) get the one-hot of their draft tokens, which is what one engine
-    gives greedy rows beside sampled ones and what a verifier assumes of absent probs. None when
-    no process returned probs."""
-    token_ids: list[list[int]] = [[] for _ in range(num_rows)]
-    for i, rows in rows_of.items():
-        for row, ids in zip(rows, results[i][0]):
-            token_ids[row] = ids
-    parts = {i: results[i][1] for i in rows_of if results[i][1] is not None}
-    if not parts:
-        return token_ids, None
-    import torch
-
-    sample = next(iter(parts.values()))
-    probs = torch.zeros((num_rows, k, sample.shape[-1]), dtype=sample.dtype)
-    for i, rows in rows_of.items():
-        if i in parts:
-            probs[rows, :parts[i].shape[1]] = parts[i]
-            continue
-        for row in rows:
-            probs[row, torch.arange(len(token_ids[row])), token_ids[row]] = 1.0
-    return token_ids, probs

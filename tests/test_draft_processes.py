@@ -156,3 +156,15 @@ def test_a_process_that_cannot_build_its_engine_fails_the_start(tmp_path):
     args = _args(str(tmp_path / "missing"), "--draft-processes", "2")
     with pytest.raises(DraftProcessError, match="draft process 0 failed to start"):
         DraftProcesses(process_builds(args), log_level="WARNING")
+
+
+def test_fan_out_stats_log_the_busiest_process_and_the_fan_out_cost(caplog):
+    from drafter_svc.fan_out import FanOutStats
+
+    stats = FanOutStats(2, log_every=2)
+    with caplog.at_level("INFO", logger="drafter_svc.processes"):
+        stats.add(32, 17, 25.0, 24.0)
+        assert stats.last == {}
+        stats.add(32, 19, 27.0, 26.0)
+    assert stats.last == {"calls": 2, "rows": 32.0, "busiest_rows": 18.0, "call_ms": 26.0, "slowest_process_ms": 25.0}
+    assert "18.0 in the busiest of 2 (16.0 if even)" in caplog.text and "fan-out and merge 1.0" in caplog.text
