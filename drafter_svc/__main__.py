@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
+import os
+import signal
 import sys
 
 from engine_svc.service import DATA_PLANE_NAMES, add_common_args, check_common_args
@@ -86,8 +89,8 @@ def _probs_server(args: argparse.Namespace):
     return server
 
 
-async def serve(args: argparse.Namespace) -> None:
-    """Run the drafter until SIGTERM/SIGINT."""
+async def serve(args: argparse.Namespace) -> bool:
+    """Run the drafter until SIGTERM/SIGINT (or a draft process dies); whether a draft process died."""
     server, health, port = await build_server(
         [SERVICE_NAME], ServerOptions(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes))
     servicer = DrafterServicer(args.draft, DATA_PLANE_NAMES[args.data_plane], _probs_server(args))
@@ -95,7 +98,9 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()
     logger.info("drafter listening on %s:%d (NOT_SERVING until warm-up)", args.host, port)
     try:
-        servicer.attach(await servicer.executor.run(build_draft_engine, args))
+        # a dead draft process: drain and exit non-zero (main), so the drafter is started afresh
+        on_lost = functools.partial(os.kill, os.getpid(), signal.SIGTERM)
+        servicer.attach(await servicer.executor.run(build_draft_engine, args, on_lost))
         await servicer.executor.run(servicer.warm_up)
     except BaseException:  # stop the server in this loop: its finalizer after the loop closed only adds noise
         await server.stop(None)
@@ -111,6 +116,7 @@ async def serve(args: argparse.Namespace) -> None:
             servicer.worker.close()
         if servicer.probs_server is not None:
             servicer.probs_server.stop()
+    return getattr(servicer.worker, "is_lost", False)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,9 +124,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     telemetry.init_tracing("drafter")  # OTEL_* environment (minedraft.telemetry)
     try:
-        asyncio.run(serve(args))
+        is_lost = asyncio.run(serve(args))
     except (InsufficientMemoryError, DraftProcessError) as exc:  # fail at start with the reason, not mid-traffic
         logger.error("cannot start: %s", exc)
+        sys.exit(1)
+    if is_lost:
+        logger.error("stopped: a draft process died")
         sys.exit(1)
 
 

@@ -17,14 +17,18 @@ so that batch is the one drafted two calls back), ties to the process with fewes
 draft call sends each process its rows at once and merges the answers in request order; it
 takes as long as the slowest process. Every check that can refuse a call runs here first, so a
 refused call changes no state in any process (as one engine's). A process that dies makes every
-later call raise ``DraftProcessError`` (the coordinator then runs ``ar``; restart the drafter).
+later call raise ``DraftProcessError`` and, noticed at once by a watcher thread, calls ``on_lost``:
+the drafter service then drains and exits non-zero, so that ``minedraft up`` or the container's
+restart policy starts it afresh while the coordinator runs ``ar`` (as when the drafter is killed).
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import pickle
+import threading
 import time
 from collections import deque
 from dataclasses import replace
@@ -90,6 +94,7 @@ class DraftProcesses:
             and ``max_model_len``.
         log_level: the processes' logging level.
         start_timeout_s: seconds one process may take to build its engine.
+        on_lost: called once (from a watcher thread) when a process exits before ``close``.
 
     Raises:
         DraftProcessError: a process failed to start (the others are stopped); the error it
@@ -97,10 +102,11 @@ class DraftProcesses:
     """
 
     def __init__(self, builds: list[Callable[[], object]], log_level: str = "INFO",
-                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+                 start_timeout_s: float = START_TIMEOUT_S, on_lost: Callable[[], None] | None = None) -> None:
         ctx = multiprocessing.get_context("spawn")   # CUDA and vLLM in the parent rule out fork
         self._conns, self._procs, facts = [], [], []
         self._broken: str | None = None
+        self._is_closing = False
         try:
             for i, build in enumerate(builds):   # one at a time: each engine sizes its KV from free memory
                 parent, child = ctx.Pipe()
@@ -122,6 +128,8 @@ class DraftProcesses:
         self._committed_len: dict[str, int] = {}         # request id -> committed tokens the process holds
         self._recent_calls: deque[list[str]] = deque(maxlen=2)   # the last two draft calls' request ids
         self.stats = FanOutStats(len(self._procs))
+        self._on_lost = on_lost
+        threading.Thread(target=self._watch, name="draft-process-watcher", daemon=True).start()
         logger.info("draft engine in %d processes (pids %s), %d slots in all", len(self._procs),
                     ", ".join(str(p.pid) for p in self._procs), self.max_num_seqs)
 
@@ -199,8 +207,14 @@ class DraftProcesses:
         if isinstance(result, BaseException):
             raise result
 
+    @property
+    def is_lost(self) -> bool:
+        """Whether a process died: the drafter cannot draft until it is restarted."""
+        return self._broken is not None
+
     def close(self) -> None:
         """Stop the processes (their engines shut down as their pipes close)."""
+        self._is_closing = True
         for conn in self._conns:
             conn.close()
         for proc in self._procs:
@@ -284,10 +298,21 @@ class DraftProcesses:
         except (EOFError, OSError) as exc:
             self._lose(i, exc)
 
+    def _watch(self) -> None:
+        """Wait for any process to exit; one that exits before ``close`` is lost."""
+        ready = multiprocessing.connection.wait([proc.sentinel for proc in self._procs])
+        if self._is_closing:
+            return
+        i = next(i for i, proc in enumerate(self._procs) if proc.sentinel in ready)
+        self._procs[i].join(timeout=5)
+        self._broken = self._broken or f"draft process {i} is gone (exit code {self._procs[i].exitcode})"
+        logger.error("%s; the drafter cannot draft until it is restarted", self._broken)
+        if self._on_lost is not None:
+            self._on_lost()
+
     def _lose(self, i: int, exc: BaseException):
         self._procs[i].join(timeout=5)
-        self._broken = f"draft process {i} is gone (exit code {self._procs[i].exitcode}): {exc!r}"
-        logger.error("%s; restart the drafter", self._broken)
+        self._broken = self._broken or f"draft process {i} is gone (exit code {self._procs[i].exitcode}): {exc!r}"
         raise DraftProcessError(self._broken) from exc
 
     def _check_alive(self) -> None:

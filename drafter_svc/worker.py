@@ -14,14 +14,15 @@ from specdec.models.footprint import GIB, check_fits, model_footprint
 logger = logging.getLogger("drafter_svc")
 
 
-def build_draft_engine(args: argparse.Namespace):
+def build_draft_engine(args: argparse.Namespace, on_lost=None):
     """The drafter's engine (blocking: loads the model): ``load_worker(args)`` in this process,
-    or with ``--draft-processes P`` > 1 a ``DraftProcesses`` over P of them."""
+    or with ``--draft-processes P`` > 1 a ``DraftProcesses`` over P of them (``on_lost``: called
+    when one of them dies)."""
     if args.draft_processes == 1:
         return load_worker(args)
     from drafter_svc.processes import DraftProcesses
 
-    return DraftProcesses(process_builds(args), log_level=args.log_level.upper())
+    return DraftProcesses(process_builds(args), log_level=args.log_level.upper(), on_lost=on_lost)
 
 
 def process_builds(args: argparse.Namespace) -> list:

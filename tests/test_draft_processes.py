@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import pytest
 import torch
@@ -136,13 +137,16 @@ def test_refusals_change_no_state_in_any_process(pair):
             processes.release(rid)
 
 
-def test_a_dead_process_fails_calls_at_once(draft_dir):
-    processes = DraftProcesses(process_builds(_args(draft_dir, "--draft-processes", "2")), log_level="WARNING")
+def test_a_dead_process_is_reported_at_once_and_fails_calls(draft_dir):
+    lost = threading.Event()
+    processes = DraftProcesses(process_builds(_args(draft_dir, "--draft-processes", "2")), log_level="WARNING",
+                               on_lost=lost.set)
     try:
         processes.add_requests([("a", [3, 4, 5], GREEDY), ("b", [6, 7, 8], GREEDY)])
+        assert not processes.is_lost
         victim = processes._procs[processes._home["b"]]
         os.kill(victim.pid, signal.SIGKILL)
-        victim.join(timeout=30)
+        assert lost.wait(30) and processes.is_lost   # the watcher, before any call
         with pytest.raises(DraftProcessError, match="exit code -9"):
             processes.draft(["a", "b"], [(0, [3, 4, 5]), (0, [6, 7, 8])], 2)
         with pytest.raises(DraftProcessError):
@@ -150,6 +154,15 @@ def test_a_dead_process_fails_calls_at_once(draft_dir):
     finally:
         processes.close()
     assert not any(proc.is_alive() for proc in processes._procs)
+
+
+def test_close_is_not_a_loss(draft_dir):
+    lost = threading.Event()
+    processes = DraftProcesses(process_builds(_args(draft_dir, "--draft-processes", "2")), log_level="WARNING",
+                               on_lost=lost.set)
+    processes.close()
+    assert not any(proc.is_alive() for proc in processes._procs)
+    assert not lost.wait(1) and not processes.is_lost
 
 
 def test_a_process_that_cannot_build_its_engine_fails_the_start(tmp_path):

@@ -1,0 +1,83 @@
+"""End to end: a psd stack whose drafter runs its engine as two processes (``--draft-processes 2``).
+
+One of the draft processes is killed mid-run: the requests in flight finish with the greedy output
+they had before (the coordinator falls back to ``ar``), the drafter notices at once, drains and
+exits non-zero, and a restart (what ``minedraft up`` does) brings speculation back.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from minedraft.launcher import Stack, restart_exited
+from test_e2e_faults import K, MAX_MODEL_LEN, PROMPT_IDS, _generate, _greedy_batch
+from test_e2e_stack import _config, _status
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """A psd stack (k = 3, m = 2, the target as its own draft) with a two-process drafter."""
+    from specdec.models.gguf import packaged_gguf_path
+    from transformers import AutoTokenizer
+
+    from conftest import _build_tiny_llama
+
+    target = str(tmp_path_factory.mktemp("target"))
+    _build_tiny_llama(num_layers=2, vocab_size=49152, seed=0,
+                      max_position_embeddings=MAX_MODEL_LEN).save_pretrained(target, safe_serialization=True)
+    AutoTokenizer.from_pretrained(os.path.dirname(packaged_gguf_path()),
+                                  gguf_file=os.path.basename(packaged_gguf_path())).save_pretrained(target)
+    cfg = _config("psd", target, target, str(tmp_path_factory.mktemp("runs")), draft_processes=2)
+    cfg = dataclasses.replace(cfg, num_speculative_tokens=K, max_model_len=MAX_MODEL_LEN)
+    with Stack(cfg) as running:
+        running.start(target, log=lambda line: None)
+        yield running
+
+
+def _draft_processes(pid: int) -> list[int]:
+    """The draft processes multiprocessing spawned below the drafter service's process ``pid``
+    (the service may run under a wrapper process), not multiprocessing's helpers."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        children = []
+        for task in os.listdir(f"/proc/{parent}/task"):   # a child is listed under the thread that started it
+            with open(f"/proc/{parent}/task/{task}/children") as f:
+                children += [int(child) for child in f.read().split()]
+        todo += children
+        for child in children:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    found.append(child)
+    return found
+
+
+def test_a_killed_draft_process_restarts_the_drafter_and_output_stays_greedy(stack):
+    drafter = stack.service("drafter").process
+    assert len(_draft_processes(drafter.pid)) == 2
+    max_tokens = 200
+    before = _greedy_batch(stack, max_tokens)
+    assert sum(r.usage.num_drafts for r in before) > 0
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_greedy_batch, stack, max_tokens)
+        deadline = time.monotonic() + 60
+        while _status(stack.cfg).num_running < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(_draft_processes(drafter.pid)[0], signal.SIGKILL)
+        results = running.result(timeout=240)
+    assert [r.token_ids for r in results] == [r.token_ids for r in before]   # greedy output unchanged
+    assert drafter.wait(timeout=60) == 1        # it drained and exited non-zero, its other process with it
+    assert not _status(stack.cfg).is_drafter_available
+    assert restart_exited(stack, {}, log=lambda line: None) == ["drafter"]   # what `minedraft up` does
+    assert len(_draft_processes(stack.service("drafter").process.pid)) == 2
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:   # the coordinator probes the drafter every 2 s while requests run
+        result = _generate(stack, PROMPT_IDS[0], max_tokens=40, temperature=0, ignore_eos=True)
+        if result.usage.num_drafts > 0:
+            break
+    assert result.usage.num_drafts > 0 and _status(stack.cfg).effective_mode == "psd"
