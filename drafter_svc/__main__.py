@@ -61,8 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--draft-sessions: only with --engine vllm")
     if args.draft_proposer_tokens and (args.engine != "vllm" or args.draft_sessions):
         parser.error("--draft-proposer-tokens: only with --engine vllm and without --draft-sessions")
-    if args.draft_processes < 1:
-        parser.error(f"--draft-processes: must be >= 1, got {args.draft_processes}")
+    if not 1 <= args.draft_processes <= args.max_num_seqs:
+        parser.error(f"--draft-processes: must be in [1, --max-num-seqs {args.max_num_seqs}], got {args.draft_processes}")
     if args.draft_proposer_tokens < 0:
         parser.error(f"--draft-proposer-tokens: must be >= 0, got {args.draft_proposer_tokens}")
     return args
@@ -104,6 +104,8 @@ async def serve(args: argparse.Namespace) -> bool:
         await servicer.executor.run(servicer.warm_up)
     except BaseException:  # stop the server in this loop: its finalizer after the loop closed only adds noise
         await server.stop(None)
+        if hasattr(servicer.worker, "close"):   # started draft processes would keep this process alive
+            servicer.worker.close()
         raise
     await health.set_serving()
     logger.info("drafter SERVING %s on %s:%d (engine %s, data plane %s)", args.draft, args.host, port,

@@ -8,7 +8,7 @@ stack's engines share it) run those steps side by side on P host cores, each on 
 ``bench.engines.parallel_drafters`` measures the call alone. Set by ``--draft-processes P``.
 
 The contract is ``specdec.engine_api.DraftEngine``'s, so the drafter service and the coordinator
-do not change. Each process builds the same engine with ``ceil(M / P)`` of the ``M`` slots (and
+do not change. Each process builds the same engine with ``M / P`` of the ``M`` slots (and
 1/P of the GPU memory share or CPU KV space); the engines start one after another, since vLLM
 sizes its KV cache from the memory it finds free. A request is homed on one process when it is
 added, for its life: newcomers go where the batch they will join next has the fewest rows (in
@@ -16,8 +16,9 @@ psd the coordinator drafts the two batches in turn and adds newcomers to the bat
 so that batch is the one drafted two calls back), ties to the process with fewest requests. A
 draft call sends each process its rows at once and merges the answers in request order; it
 takes as long as the slowest process. Every check that can refuse a call runs here first, so a
-refused call changes no state in any process (as one engine's). A process that dies makes every
-later call raise ``DraftProcessError`` and, noticed at once by a watcher thread, calls ``on_lost``:
+refused call changes no state in any process (as one engine's). A process that dies (noticed at
+once by a watcher thread) or leaves a call unanswered for ``call_timeout_s`` (stuck) is lost:
+every later call raises ``DraftProcessError``, and ``on_lost`` is called once:
 the drafter service then drains and exits non-zero, so that ``minedraft up`` or the container's
 restart policy starts it afresh while the coordinator runs ``ar`` (as when the drafter is killed).
 """
@@ -27,7 +28,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
-import pickle
 import threading
 import time
 from collections import deque
@@ -35,54 +35,17 @@ from dataclasses import replace
 from typing import Callable
 
 from drafter_svc.fan_out import FanOutStats, merge_drafts
-from specdec.engine.worker_base import DraftCapacityError
+from drafter_svc.process_main import serve_engine
 from specdec.engine_api import EngineFacts
 from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
 
 logger = logging.getLogger("drafter_svc.processes")
 START_TIMEOUT_S = 1800.0   # one process's engine build (a vLLM engine on a fresh GPU host: minutes)
+CALL_TIMEOUT_S = 60.0      # one call's answer (draft calls take milliseconds on a GPU, well under 1 s on CPU)
 
 
 class DraftProcessError(RuntimeError):
     """A draft process died or never started; the drafter cannot draft until it is restarted."""
-
-
-def _portable(exc: BaseException) -> BaseException:
-    """``exc`` if it survives pickling (the parent re-raises it), else a RuntimeError naming it."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:   # noqa: BLE001 -- e.g. an exception class whose __init__ takes other arguments
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
-
-
-def _serve(build: Callable[[], object], conn, log_level: str) -> None:
-    """A draft process: build the engine, report its facts, then run ``(method, args)`` calls
-    until the parent closes the pipe."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
-    try:
-        engine = build()
-        conn.send(("ok", engine.facts()))
-    except BaseException as exc:   # noqa: BLE001 -- reported; the parent raises it
-        conn.send(("error", _portable(exc)))
-        return
-    while True:
-        try:
-            method, args = conn.recv()
-        except (EOFError, OSError):   # the parent is gone
-            return
-        try:
-            if method == "release_each":   # an add's rollback
-                conn.send(("ok", [engine.release(rid) for rid in args[0]]))
-            elif method == "draft":   # draft probs through host memory (a CUDA tensor would need CUDA IPC)
-                start = time.perf_counter()
-                token_ids, probs = engine.draft(*args)
-                probs = None if probs is None else probs.cpu()
-                conn.send(("ok", (token_ids, probs, (time.perf_counter() - start) * 1e3)))
-            else:
-                conn.send(("ok", getattr(engine, method)(*args)))
-        except Exception as exc:   # noqa: BLE001 -- the engine's errors (KeyError, ValueError, ...) go back
-            conn.send(("error", _portable(exc)))
 
 
 class DraftProcesses:
@@ -94,7 +57,8 @@ class DraftProcesses:
             and ``max_model_len``.
         log_level: the processes' logging level.
         start_timeout_s: seconds one process may take to build its engine.
-        on_lost: called once (from a watcher thread) when a process exits before ``close``.
+        call_timeout_s: seconds a process may take to answer a call before it counts as lost.
+        on_lost: called once (from the watcher thread or the calling one) when a process is lost.
 
     Raises:
         DraftProcessError: a process failed to start (the others are stopped); the error it
@@ -102,15 +66,18 @@ class DraftProcesses:
     """
 
     def __init__(self, builds: list[Callable[[], object]], log_level: str = "INFO",
-                 start_timeout_s: float = START_TIMEOUT_S, on_lost: Callable[[], None] | None = None) -> None:
+                 start_timeout_s: float = START_TIMEOUT_S, call_timeout_s: float = CALL_TIMEOUT_S,
+                 on_lost: Callable[[], None] | None = None) -> None:
         ctx = multiprocessing.get_context("spawn")   # CUDA and vLLM in the parent rule out fork
         self._conns, self._procs, facts = [], [], []
         self._broken: str | None = None
         self._is_closing = False
+        self._on_lost, self._lost_lock = None, threading.Lock()   # a failed start raises instead
+        self.call_timeout_s = call_timeout_s
         try:
             for i, build in enumerate(builds):   # one at a time: each engine sizes its KV from free memory
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_serve, args=(build, child, log_level), name=f"draft-process-{i}")
+                proc = ctx.Process(target=serve_engine, args=(build, child, log_level), name=f"draft-process-{i}")
                 proc.start()
                 child.close()
                 self._conns.append(parent)
@@ -182,6 +149,8 @@ class DraftProcesses:
         lengths = [self._new_length(rid, start, ids) for rid, (start, ids) in zip(request_ids, committed)]
         too_long = [rid for rid, n, k_i in zip(request_ids, lengths, ks) if not self.can_draft(n, k_i)]
         if too_long:
+            from specdec.engine.worker_base import DraftCapacityError   # heavy (the native runner): when raised
+
             raise DraftCapacityError(too_long, self.max_model_len)
         rows_of: dict[int, list[int]] = {}
         for row, rid in enumerate(request_ids):
@@ -209,7 +178,7 @@ class DraftProcesses:
 
     @property
     def is_lost(self) -> bool:
-        """Whether a process died: the drafter cannot draft until it is restarted."""
+        """Whether a process died or got stuck: the drafter cannot draft until it is restarted."""
         return self._broken is not None
 
     def close(self) -> None:
@@ -218,8 +187,8 @@ class DraftProcesses:
         for conn in self._conns:
             conn.close()
         for proc in self._procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
+            proc.join(timeout=10)
+            if proc.is_alive():   # stuck
                 proc.kill()
                 proc.join(timeout=10)
 
@@ -289,7 +258,10 @@ class DraftProcesses:
         return value
 
     def _receive(self, i: int) -> object:
-        """Process i's answer: its result, or the exception its engine raised."""
+        """Process i's answer: its result, or the exception its engine raised. Raises
+        ``DraftProcessError`` (the process is lost) when it is gone or silent for ``call_timeout_s``."""
+        if not self._conns[i].poll(self.call_timeout_s):
+            self._lose(i, TimeoutError(f"no answer in {self.call_timeout_s:g} s"))
         return self._receive_raw(i)[1]
 
     def _receive_raw(self, i: int) -> tuple[str, object]:
@@ -305,15 +277,22 @@ class DraftProcesses:
             return
         i = next(i for i, proc in enumerate(self._procs) if proc.sentinel in ready)
         self._procs[i].join(timeout=5)
-        self._broken = self._broken or f"draft process {i} is gone (exit code {self._procs[i].exitcode})"
-        logger.error("%s; the drafter cannot draft until it is restarted", self._broken)
-        if self._on_lost is not None:
-            self._on_lost()
+        self._mark_lost(f"draft process {i} is gone (exit code {self._procs[i].exitcode})")
 
     def _lose(self, i: int, exc: BaseException):
-        self._procs[i].join(timeout=5)
-        self._broken = self._broken or f"draft process {i} is gone (exit code {self._procs[i].exitcode}): {exc!r}"
+        self._procs[i].join(timeout=5 if isinstance(exc, (EOFError, OSError)) else 0)
+        self._mark_lost(f"draft process {i} is lost (exit code {self._procs[i].exitcode}): {exc!r}")
         raise DraftProcessError(self._broken) from exc
+
+    def _mark_lost(self, reason: str) -> None:
+        """The first loss sets the error every later call raises, and calls ``on_lost``."""
+        with self._lost_lock:
+            if self._broken is not None or self._is_closing:
+                return
+            self._broken = reason
+        logger.error("%s; the drafter cannot draft until it is restarted", reason)
+        if self._on_lost is not None:
+            self._on_lost()
 
     def _check_alive(self) -> None:
         if self._broken is not None:

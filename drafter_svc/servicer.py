@@ -65,6 +65,8 @@ class DrafterServicer(engine_pb2_grpc.DrafterServicer):
     # ---- engine-thread functions (synchronous) ------------------------------------------
     def _add_all(self, seqs: list[tuple[str, list[int], SamplingParams]]) -> None:
         """Add every request or none (batched prefill; ``DraftWorker.add_requests`` refuses repeated ids)."""
+        if not seqs:   # nothing to add (vLLM's drafter would fail on an empty batch)
+            return
         self.worker.add_requests(seqs)
         self._request_ids.update(rid for rid, _, _ in seqs)
 

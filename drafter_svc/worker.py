@@ -26,8 +26,8 @@ def build_draft_engine(args: argparse.Namespace, on_lost=None):
 
 
 def process_builds(args: argparse.Namespace) -> list:
-    """One ``load_worker`` call per draft process, each with ``ceil(M / P)`` of the ``M`` slots
-    (``--max-num-seqs``), 1/P of ``--gpu-memory-utilization``, ``--kv-cache-space-gib`` and
+    """One ``load_worker`` call per draft process, each with ``M // P`` of the ``M`` slots
+    (``--max-num-seqs``; the first ``M % P`` one more), 1/P of ``--gpu-memory-utilization``, ``--kv-cache-space-gib`` and
     ``--num-threads``, and its own ``--seed`` (seed + i), so unseeded requests in different
     processes do not share per-request seeds."""
     num = args.draft_processes
@@ -35,7 +35,7 @@ def process_builds(args: argparse.Namespace) -> list:
     for i in range(num):
         child = copy.copy(args)
         child.draft_processes = 1
-        child.max_num_seqs = -(-args.max_num_seqs // num)
+        child.max_num_seqs = args.max_num_seqs // num + (i < args.max_num_seqs % num)
         child.gpu_memory_utilization = args.gpu_memory_utilization / num
         child.kv_cache_space_gib = args.kv_cache_space_gib / num
         child.num_threads = None if args.num_threads is None else max(1, args.num_threads // num)

@@ -52,7 +52,7 @@ def _prompts(n: int) -> list[list[int]]:
 def test_child_args_split_the_slots_memory_and_threads_and_the_seed(draft_dir):
     builds = process_builds(_args(draft_dir, "--draft-processes", "3", "--gpu-memory-utilization", "0.3"))
     children = [b.args[0] for b in builds]
-    assert [c.max_num_seqs for c in children] == [2, 2, 2]   # ceil(4 / 3): every request finds a slot
+    assert [c.max_num_seqs for c in children] == [2, 1, 1]   # the drafter's 4 slots, no more
     assert all(c.draft_processes == 1 and c.num_threads == 1 for c in children)
     assert [c.seed for c in children] == [7, 8, 9]
     assert children[0].gpu_memory_utilization == pytest.approx(0.1)
@@ -181,3 +181,30 @@ def test_fan_out_stats_log_the_busiest_process_and_the_fan_out_cost(caplog):
         stats.add(32, 19, 27.0, 26.0)
     assert stats.last == {"calls": 2, "rows": 32.0, "busiest_rows": 18.0, "call_ms": 26.0, "slowest_process_ms": 25.0}
     assert "18.0 in the busiest of 2 (16.0 if even)" in caplog.text and "fan-out and merge 1.0" in caplog.text
+
+
+def test_a_stuck_process_is_lost_after_the_call_timeout(draft_dir):
+    lost = threading.Event()
+    processes = DraftProcesses(process_builds(_args(draft_dir, "--draft-processes", "2")), log_level="WARNING",
+                               call_timeout_s=2.0, on_lost=lost.set)
+    try:
+        processes.add_requests([("a", [3, 4, 5], GREEDY), ("b", [6, 7, 8], GREEDY)])
+        os.kill(processes._procs[processes._home["b"]].pid, signal.SIGSTOP)
+        with pytest.raises(DraftProcessError, match="no answer in 2 s"):
+            processes.draft(["a", "b"], [(0, [3, 4, 5]), (0, [6, 7, 8])], 2)
+        assert lost.is_set() and processes.is_lost
+    finally:
+        processes.close()   # kills the stopped process
+    assert not any(proc.is_alive() for proc in processes._procs)
+
+
+def test_a_drafter_whose_warm_up_fails_exits_instead_of_hanging_on_its_processes(draft_dir, tmp_path):
+    """The warm-up drafts past ``--max-model-len 4``: the drafter must stop its draft processes and exit 1."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "drafter_svc", "--draft", draft_dir, "--device", "cpu", "--max-num-seqs", "2",
+            "--max-model-len", "4", "--port", "0", "--draft-processes", "2"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=180, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "draft engine in 2 processes" in done.stderr

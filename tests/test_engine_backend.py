@@ -131,9 +131,10 @@ def test_draft_processes_reach_only_the_drafter_on_either_engine(capsys):
         with pytest.raises(ValueError, match="draft_processes"):
             StackConfig(draft_processes=bad)
     assert parse_args(["--draft", "/d", "--draft-processes", "4"]).draft_processes == 4
-    with pytest.raises(SystemExit):
-        parse_args(["--draft", "/d", "--draft-processes", "0"])
-    assert "--draft-processes: must be >= 1, got 0" in capsys.readouterr().err
+    for bad in ("0", "17"):   # 16 slots by default
+        with pytest.raises(SystemExit):
+            parse_args(["--draft", "/d", "--draft-processes", bad])
+        assert f"--draft-processes: must be in [1, --max-num-seqs 16], got {bad}" in capsys.readouterr().err
 
 
 def test_draft_sessions_reach_only_the_vllm_drafter_and_need_the_vllm_engine(capsys):

@@ -1,0 +1,47 @@
+"""The draft process's side of ``drafter_svc.processes.DraftProcesses``: build the engine, then
+answer the parent's calls over a pipe."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from typing import Callable
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling (the parent re-raises it), else a RuntimeError naming it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:   # noqa: BLE001 -- e.g. an exception class whose __init__ takes other arguments
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def serve_engine(build: Callable[[], object], conn, log_level: str) -> None:
+    """A draft process: build the engine, report its facts, then run ``(method, args)`` calls
+    until the parent closes the pipe."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    try:
+        engine = build()
+        conn.send(("ok", engine.facts()))
+    except BaseException as exc:   # noqa: BLE001 -- reported; the parent raises it
+        conn.send(("error", _portable(exc)))
+        return
+    while True:
+        try:
+            method, args = conn.recv()
+        except (EOFError, OSError):   # the parent is gone
+            return
+        try:
+            if method == "release_each":   # an add's rollback
+                conn.send(("ok", [engine.release(rid) for rid in args[0]]))
+            elif method == "draft":   # draft probs through host memory (a CUDA tensor would need CUDA IPC)
+                start = time.perf_counter()
+                token_ids, probs = engine.draft(*args)
+                probs = None if probs is None else probs.cpu()
+                conn.send(("ok", (token_ids, probs, (time.perf_counter() - start) * 1e3)))
+            else:
+                conn.send(("ok", getattr(engine, method)(*args)))
+        except Exception as exc:   # noqa: BLE001 -- the engine's errors (KeyError, ValueError, ...) go back
+            conn.send(("error", _portable(exc)))
