@@ -6,7 +6,6 @@ exits non-zero, and a restart (what ``minedraft up`` does) brings speculation ba
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import time
@@ -14,29 +13,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from minedraft.launcher import Stack, restart_exited
-from test_e2e_faults import K, MAX_MODEL_LEN, PROMPT_IDS, _generate, _greedy_batch
-from test_e2e_stack import _config, _status
+from minedraft.launcher import restart_exited
+from test_e2e_faults import PROMPT_IDS, _generate, _greedy_batch, self_drafting_stack
+from test_e2e_stack import _status
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """A psd stack (k = 3, m = 2, the target as its own draft) with a two-process drafter."""
-    from specdec.models.gguf import packaged_gguf_path
-    from transformers import AutoTokenizer
-
-    from conftest import _build_tiny_llama
-
-    target = str(tmp_path_factory.mktemp("target"))
-    _build_tiny_llama(num_layers=2, vocab_size=49152, seed=0,
-                      max_position_embeddings=MAX_MODEL_LEN).save_pretrained(target, safe_serialization=True)
-    AutoTokenizer.from_pretrained(os.path.dirname(packaged_gguf_path()),
-                                  gguf_file=os.path.basename(packaged_gguf_path())).save_pretrained(target)
-    cfg = _config("psd", target, target, str(tmp_path_factory.mktemp("runs")), draft_processes=2)
-    cfg = dataclasses.replace(cfg, num_speculative_tokens=K, max_model_len=MAX_MODEL_LEN)
-    with Stack(cfg) as running:
-        running.start(target, log=lambda line: None)
-        yield running
+    yield from self_drafting_stack(tmp_path_factory, draft_processes=2)
 
 
 def _draft_processes(pid: int) -> list[int]:

@@ -32,9 +32,9 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 PROMPT_IDS = [[1, 500, 600, 700], [1, 42, 43], [1, 9000, 12, 13, 14], [1, 77]]
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    """A psd stack (k = 3, m = 2) whose draft is the target itself: every greedy draft is accepted."""
+def self_drafting_stack(tmp_path_factory, **overrides):
+    """A started psd stack (k = 3, m = 2) whose draft is the target itself (a tiny Llama with the
+    SmolLM2 tokenizer): every greedy draft is accepted. A generator: yields the stack, then stops it."""
     from specdec.models.gguf import packaged_gguf_path
     from transformers import AutoTokenizer
 
@@ -44,12 +44,18 @@ def stack(tmp_path_factory):
     _build_tiny_llama(num_layers=2, vocab_size=49152, seed=0,
                       max_position_embeddings=MAX_MODEL_LEN).save_pretrained(target, safe_serialization=True)
     AutoTokenizer.from_pretrained(os.path.dirname(packaged_gguf_path()),
-                                              gguf_file=os.path.basename(packaged_gguf_path())).save_pretrained(target)
-    cfg = _config("psd", target, target, str(tmp_path_factory.mktemp("runs")))
+                                  gguf_file=os.path.basename(packaged_gguf_path())).save_pretrained(target)
+    cfg = _config("psd", target, target, str(tmp_path_factory.mktemp("runs")), **overrides)
     cfg = dataclasses.replace(cfg, num_speculative_tokens=K, max_model_len=MAX_MODEL_LEN)
     with Stack(cfg) as running:
         running.start(target, log=lambda line: None)
         yield running
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """A psd stack (k = 3, m = 2) whose draft is the target itself: every greedy draft is accepted."""
+    yield from self_drafting_stack(tmp_path_factory)
 
 
 def _client(stack: Stack, timeout_s: float | None = 120) -> MineDraftClient:

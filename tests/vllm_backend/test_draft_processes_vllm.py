@@ -4,33 +4,13 @@ in ``.venv-vllm``), built as the drafter builds them with ``--engine vllm --draf
 drafts are the draft model's greedy continuation (Hugging Face reference) call after call."""
 from __future__ import annotations
 
-import pytest
-import torch
-
-from conftest import _build_tiny_llama
 from drafter_svc.__main__ import parse_args
 from drafter_svc.processes import DraftProcesses
 from drafter_svc.worker import process_builds
 from specdec.sample.sampling import SamplingParams
+from test_draft_sessions import _hf_greedy, model  # noqa: F401 -- model: the tiny draft fixture
 
-SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
 GREEDY = SamplingParams(temperature=0.0, seed=0)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    hf = _build_tiny_llama(num_layers=2, seed=3, **SHAPE)
-    path = str(tmp_path_factory.mktemp("draft"))
-    hf.save_pretrained(path, safe_serialization=True)
-    return path, hf
-
-
-@torch.no_grad()
-def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    ids = list(ids)
-    for _ in range(n):
-        ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(ids) - n:]
 
 
 def test_two_vllm_session_drafters_draft_the_greedy_continuation(model):
