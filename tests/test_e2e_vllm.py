@@ -11,8 +11,8 @@ ar's with more than 2m concurrent requests of different lengths; an abort mid-st
 slots of both engines; a stop token id inside an accepted block; seeded sampled requests repeat
 whatever shares the batch; the drafter killed mid-run falls back to ar and every stream completes
 with the ar output (last: it leaves the psd stack without a drafter); and psd with the drafter's
-resident draft sessions (``--draft-sessions``, a third stack start) and with drafts from vLLM's
-draft-model proposer (``--draft-proposer``, a fourth; its step log shows the verifier's engine-core
+resident draft sessions (``--draft-sessions``, a third stack start; a fifth with the drafter's
+engine as two processes, ``--draft-processes 2``) and with drafts from vLLM's draft-model proposer (``--draft-proposer``, a fourth; its step log shows the verifier's engine-core
 time per call) equals ar too.
 """
 from __future__ import annotations
@@ -106,17 +106,23 @@ def test_psd_output_equals_ar_at_temperature_0(ar_reference, psd_stack):  # ar's
     assert [r.token_ids for r in results] == ar_reference["chat"]
 
 
-def test_psd_with_resident_draft_sessions_equals_ar_at_temperature_0(ar_reference, model_dirs, tmp_path):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_psd_with_resident_draft_sessions_equals_ar_at_temperature_0(processes, ar_reference, model_dirs, tmp_path):
     """``--draft-sessions``: the drafter keeps one resumable vLLM request per request; greedy
     outputs still equal ar's, drafts are partly accepted, and every slot of both engines is free
-    afterwards (the sessions released with their requests)."""
-    cfg = dataclasses.replace(_vllm_config("psd", model_dirs, str(tmp_path)), draft_sessions=True)
+    afterwards (the sessions released with their requests). With ``--draft-processes 2`` the
+    drafter's engine is two processes (GPU hosts' configuration for psd at high concurrency)."""
+    cfg = dataclasses.replace(_vllm_config("psd", model_dirs, str(tmp_path)), draft_sessions=True,
+                              draft_processes=processes)
     with Stack(cfg) as stack:
         stack.start(model_dirs[0], log=lambda line: None)
         results, status = _generate_all(stack.cfg), _status(stack.cfg)
         assert status.effective_mode == "psd" and 0 < status.num_accepted_tokens < status.num_draft_tokens
         assert [r.token_ids for r in results] == ar_reference["chat"]
-        _wait_slots_free(stack.cfg)
+        drafter = _wait_slots_free(stack.cfg)[0]
+        assert drafter.max_num_seqs == cfg.num_engine_slots and not drafter.request_ids
+        with open(os.path.join(stack.run_dir, "drafter.log")) as f:
+            assert ("draft engine in 2 processes" in f.read()) == (processes == 2)
 
 
 def test_psd_drafting_with_vllms_proposer_equals_ar_at_temperature_0(ar_reference, model_dirs, tmp_path):
