@@ -12,8 +12,9 @@ slots of both engines; a stop token id inside an accepted block; seeded sampled 
 whatever shares the batch; the drafter killed mid-run falls back to ar and every stream completes
 with the ar output (last: it leaves the psd stack without a drafter); and psd with the drafter's
 resident draft sessions (``--draft-sessions``, a third stack start; a fifth with the drafter's
-engine as two processes, ``--draft-processes 2``) and with drafts from vLLM's draft-model proposer (``--draft-proposer``, a fourth; its step log shows the verifier's engine-core
-time per call) equals ar too.
+engine as two processes, ``--draft-processes 2``) and with drafts from vLLM's draft-model
+proposer (``--draft-proposer``, a fourth; its step log shows the verifier's engine-core time per
+call) equals ar too.
 """
 from __future__ import annotations
 
