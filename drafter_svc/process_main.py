@@ -4,9 +4,13 @@ answer the parent's calls over a pipe."""
 from __future__ import annotations
 
 import logging
+import os
 import pickle
+import threading
 import time
 from typing import Callable
+
+PARENT_POLL_S = 1.0   # how often a draft process checks that the drafter is still there
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -22,6 +26,7 @@ def serve_engine(build: Callable[[], object], conn, log_level: str) -> None:
     """A draft process: build the engine, report its facts, then run ``(method, args)`` calls
     until the parent closes the pipe."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="parent-watcher", daemon=True).start()
     try:
         engine = build()
         conn.send(("ok", engine.facts()))
@@ -45,3 +50,11 @@ def serve_engine(build: Callable[[], object], conn, log_level: str) -> None:
                 conn.send(("ok", getattr(engine, method)(*args)))
         except Exception as exc:   # noqa: BLE001 -- the engine's errors (KeyError, ValueError, ...) go back
             conn.send(("error", _portable(exc)))
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit at once when the drafter is gone (re-parented), even in the middle of an engine build
+    or a call: a GPU engine left behind would hold memory a restarted drafter needs."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)

@@ -208,3 +208,53 @@ def test_a_drafter_whose_warm_up_fails_exits_instead_of_hanging_on_its_processes
     done = subprocess.run(argv, capture_output=True, text=True, timeout=180, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert done.returncode == 1, done.stderr[-2000:]
     assert "draft engine in 2 processes" in done.stderr
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The processes multiprocessing spawned below process ``pid`` (at any depth: a service may
+    run under a wrapper process), not multiprocessing's helpers."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        children = []
+        for task in os.listdir(f"/proc/{parent}/task"):   # a child is listed under the thread that started it
+            with open(f"/proc/{parent}/task/{task}/children") as f:
+                children += [int(child) for child in f.read().split()]
+        todo += children
+        for child in children:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    found.append(child)
+    return found
+
+
+def _is_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"   # a zombie nobody reaped yet
+    except FileNotFoundError:
+        return True
+
+
+def test_a_draft_process_exits_when_the_drafter_dies_even_mid_build():
+    """SIGKILL of the drafter while its draft process builds its engine (here: a 300-s build)."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import functools, time; from drafter_svc.processes import DraftProcesses; "
+            "DraftProcesses([functools.partial(time.sleep, 300)])")
+    drafter = subprocess.Popen([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        deadline = time.monotonic() + 60
+        while not (children := spawned_children(drafter.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(children) == 1
+    finally:
+        drafter.kill()
+        drafter.wait()
+    deadline = time.monotonic() + 15
+    while not _is_gone(children[0]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _is_gone(children[0])
+

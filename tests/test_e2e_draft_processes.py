@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from minedraft.launcher import restart_exited
+from test_draft_processes import spawned_children as _draft_processes
 from test_e2e_faults import PROMPT_IDS, _generate, _greedy_batch, self_drafting_stack
 from test_e2e_stack import _status
 
@@ -22,24 +23,6 @@ from test_e2e_stack import _status
 def stack(tmp_path_factory):
     """A psd stack (k = 3, m = 2, the target as its own draft) with a two-process drafter."""
     yield from self_drafting_stack(tmp_path_factory, draft_processes=2)
-
-
-def _draft_processes(pid: int) -> list[int]:
-    """The draft processes multiprocessing spawned below the drafter service's process ``pid``
-    (the service may run under a wrapper process), not multiprocessing's helpers."""
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        children = []
-        for task in os.listdir(f"/proc/{parent}/task"):   # a child is listed under the thread that started it
-            with open(f"/proc/{parent}/task/{task}/children") as f:
-                children += [int(child) for child in f.read().split()]
-        todo += children
-        for child in children:
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    found.append(child)
-    return found
 
 
 def test_a_killed_draft_process_restarts_the_drafter_and_output_stays_greedy(stack):
