@@ -21,6 +21,8 @@ once by a watcher thread) or leaves a call unanswered for ``call_timeout_s`` (st
 every later call raises ``DraftProcessError``, and ``on_lost`` is called once:
 the drafter service then drains and exits non-zero, so that ``minedraft up`` or the container's
 restart policy starts it afresh while the coordinator runs ``ar`` (as when the drafter is killed).
+A draft process exits by itself as soon as the drafter is gone (``process_main``), so no engine
+outlives it holding GPU memory.
 """
 
 from __future__ import annotations
