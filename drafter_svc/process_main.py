@@ -22,11 +22,11 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def serve_engine(build: Callable[[], object], conn, log_level: str) -> None:
-    """A draft process: build the engine, report its facts, then run ``(method, args)`` calls
-    until the parent closes the pipe."""
+def serve_engine(build: Callable[[], object], conn, log_level: str, parent_pid: int) -> None:
+    """A draft process of the drafter ``parent_pid``: build the engine, report its facts, then run
+    ``(method, args)`` calls until the parent closes the pipe."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="parent-watcher", daemon=True).start()
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="parent-watcher", daemon=True).start()
     try:
         engine = build()
         conn.send(("ok", engine.facts()))
@@ -53,8 +53,9 @@ def serve_engine(build: Callable[[], object], conn, log_level: str) -> None:
 
 
 def _exit_with_parent(parent_pid: int) -> None:
-    """Exit at once when the drafter is gone (re-parented), even in the middle of an engine build
-    or a call: a GPU engine left behind would hold memory a restarted drafter needs."""
+    """Exit at once when the drafter is gone (re-parented; also when it died before this process
+    got here), even in the middle of an engine build or a call: a GPU engine left behind would hold
+    memory a restarted drafter needs."""
     while os.getppid() == parent_pid:
         time.sleep(PARENT_POLL_S)
     os._exit(1)

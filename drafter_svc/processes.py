@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import threading
 import time
 from collections import deque
@@ -79,7 +80,8 @@ class DraftProcesses:
         try:
             for i, build in enumerate(builds):   # one at a time: each engine sizes its KV from free memory
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=serve_engine, args=(build, child, log_level), name=f"draft-process-{i}")
+                proc = ctx.Process(target=serve_engine, args=(build, child, log_level, os.getpid()),
+                                   name=f"draft-process-{i}")
                 proc.start()
                 child.close()
                 self._conns.append(parent)

@@ -258,3 +258,15 @@ def test_a_draft_process_exits_when_the_drafter_dies_even_mid_build():
         time.sleep(0.2)
     assert _is_gone(children[0])
 
+
+
+def test_a_draft_process_whose_drafter_died_before_it_started_exits():
+    """The drafter died between spawning the process and the process's start (it was re-parented
+    before it could look): it exits instead of building its engine (here: a 300-s build)."""
+    import subprocess
+    import sys
+
+    code = ("import functools, time; from drafter_svc.process_main import serve_engine; "
+            "serve_engine(functools.partial(time.sleep, 300), None, 'WARNING', parent_pid=-1)")
+    done = subprocess.run([sys.executable, "-c", code], timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 1
