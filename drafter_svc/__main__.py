@@ -98,21 +98,19 @@ async def serve(args: argparse.Namespace) -> bool:
     await server.start()
     logger.info("drafter listening on %s:%d (NOT_SERVING until warm-up)", args.host, port)
     try:
-        # a dead draft process: drain and exit non-zero (main), so the drafter is started afresh
-        on_lost = functools.partial(os.kill, os.getpid(), signal.SIGTERM)
-        servicer.attach(await servicer.executor.run(build_draft_engine, args, on_lost))
-        await servicer.executor.run(servicer.warm_up)
-    except BaseException:  # stop the server in this loop: its finalizer after the loop closed only adds noise
-        await server.stop(None)
-        if hasattr(servicer.worker, "close"):   # started draft processes would keep this process alive
-            servicer.worker.close()
-        raise
-    await health.set_serving()
-    logger.info("drafter SERVING %s on %s:%d (engine %s, data plane %s)", args.draft, args.host, port,
-                args.engine, args.data_plane)
-    try:
+        try:
+            # a dead draft process: drain and exit non-zero (main), so the drafter is started afresh
+            on_lost = functools.partial(os.kill, os.getpid(), signal.SIGTERM)
+            servicer.attach(await servicer.executor.run(build_draft_engine, args, on_lost))
+            await servicer.executor.run(servicer.warm_up)
+        except BaseException:  # stop the server in this loop: its finalizer after the loop closed only adds noise
+            await server.stop(None)
+            raise
+        await health.set_serving()
+        logger.info("drafter SERVING %s on %s:%d (engine %s, data plane %s)", args.draft, args.host, port,
+                    args.engine, args.data_plane)
         await serve_until_signal(server, health, args.grace_s)
-    finally:
+    finally:   # also after a failed start: started draft processes would keep this process alive
         servicer.executor.shutdown()
         if hasattr(servicer.worker, "close"):   # DraftProcesses: stop the draft processes
             servicer.worker.close()

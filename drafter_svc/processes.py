@@ -40,7 +40,7 @@ from typing import Callable
 from drafter_svc.fan_out import FanOutStats, merge_drafts
 from drafter_svc.process_main import serve_engine
 from specdec.engine_api import EngineFacts
-from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
+from specdec.vllm_backend.bookkeeping import check_new_ids, check_token_ids, known_states
 
 logger = logging.getLogger("drafter_svc.processes")
 START_TIMEOUT_S = 1800.0   # one process's engine build (a vLLM engine on a fresh GPU host: minutes)
@@ -129,9 +129,9 @@ class DraftProcesses:
         ids = [rid for rid, _, _ in items]
         check_new_ids(self._home, ids, self.max_num_seqs)
         for rid, prompt, _ in items:
-            self._check_tokens(rid, prompt)
+            check_token_ids(rid, prompt, self._facts[0].input_vocab_size)
         homes = self._place(ids)
-        parts = self._split(items, [homes[rid] for rid in ids])
+        parts = {i: [items[r] for r in rows] for i, rows in _rows_by_home(ids, homes).items()}
         results = self._call_each({i: ("add_requests", (part,)) for i, part in parts.items()})
         failed = [exc for exc in results.values() if isinstance(exc, BaseException)]
         if failed:
@@ -156,9 +156,7 @@ class DraftProcesses:
             from specdec.engine.worker_base import DraftCapacityError   # heavy (the native runner): when raised
 
             raise DraftCapacityError(too_long, self.max_model_len)
-        rows_of: dict[int, list[int]] = {}
-        for row, rid in enumerate(request_ids):
-            rows_of.setdefault(self._home[rid], []).append(row)
+        rows_of = _rows_by_home(request_ids, self._home)
         start = time.perf_counter()
         results = self._call_each({i: ("draft", ([request_ids[r] for r in rows], [committed[r] for r in rows],
                                                  [ks[r] for r in rows])) for i, rows in rows_of.items()})
@@ -218,11 +216,6 @@ class DraftProcesses:
             total[home] += 1
         return homes
 
-    def _check_tokens(self, rid: str, token_ids: list[int]) -> None:
-        bad = [t for t in token_ids if not 0 <= t < self._facts[0].input_vocab_size]
-        if bad:
-            raise ValueError(f"token ids of {rid!r} must lie in [0, {self._facts[0].input_vocab_size}), got {bad[:8]}")
-
     def _new_length(self, rid: str, start: int, ids: list[int]) -> int:
         """The committed length after this call (``merge_committed``'s checks, made here first)."""
         known = self._committed_len[rid]
@@ -230,15 +223,8 @@ class DraftProcesses:
             raise ValueError(f"start_position {start} outside the known committed length {known}")
         if start + len(ids) == 0:
             raise ValueError("committed sequence is empty")
-        self._check_tokens(rid, ids)
+        check_token_ids(rid, ids, self._facts[0].input_vocab_size)
         return start + len(ids)
-
-    @staticmethod
-    def _split(items: list, homes: list[int]) -> dict[int, list]:
-        parts: dict[int, list] = {}
-        for item, home in zip(items, homes):
-            parts.setdefault(home, []).append(item)
-        return parts
 
     def _call_each(self, calls: dict[int, tuple[str, tuple]]) -> dict[int, object]:
         """Send every process its call, then collect: {process: result, or the exception it raised}."""
@@ -301,3 +287,11 @@ class DraftProcesses:
     def _check_alive(self) -> None:
         if self._broken is not None:
             raise DraftProcessError(self._broken)
+
+
+def _rows_by_home(request_ids: list[str], homes: dict[str, int]) -> dict[int, list[int]]:
+    """{process: the indexes into ``request_ids`` of the requests homed there}."""
+    rows: dict[int, list[int]] = {}
+    for row, rid in enumerate(request_ids):
+        rows.setdefault(homes[rid], []).append(row)
+    return rows

@@ -23,7 +23,6 @@ from grpc_health.v1 import health_pb2
 
 from minedraft.client import GenerationError, MineDraftClient, build_request
 from minedraft.launcher import Stack, StackError, health_status, restart_exited
-from minedraft.v1 import engine_pb2, engine_pb2_grpc
 from test_e2e_stack import _config, _status, _wait_slots_free
 
 K = 3
@@ -283,13 +282,5 @@ def test_verifier_killed_fails_fast_with_unavailable_and_readiness_drops(stack):
         time.sleep(0.1)
     assert health_status(f"{cfg.host}:{cfg.coordinator_port}") != SERVING
     assert health_status(f"{cfg.host}:{cfg.gateway_port}") != SERVING
-    # the drafter released them: a failed request's release RPC runs at the loop's next sync, after its
-    # error reached the caller, so it may land a moment after the last call returned
-    deadline = time.monotonic() + 15
-    with grpc.insecure_channel(f"{cfg.host}:{cfg.drafter_port}") as channel:
-        while True:
-            info = engine_pb2_grpc.DrafterStub(channel).GetInfo(engine_pb2.EngineInfoRequest(), timeout=30)
-            if (info.num_free_slots == info.max_num_seqs and not info.request_ids) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+    [info] = _wait_slots_free(cfg, timeout_s=15, verifier=False)   # the drafter released them
     assert info.num_free_slots == info.max_num_seqs and not info.request_ids

@@ -87,19 +87,22 @@ def _status(cfg: StackConfig) -> coordinator_pb2.StatusResponse:
         return coordinator_pb2_grpc.CoordinatorStub(channel).GetStatus(coordinator_pb2.StatusRequest(), timeout=30)
 
 
-def _engine_infos(cfg: StackConfig) -> list[engine_pb2.EngineInfo]:
+def _engine_infos(cfg: StackConfig, verifier: bool = True) -> list[engine_pb2.EngineInfo]:
+    """[drafter's, verifier's] ``EngineInfo`` (without ``verifier``: the drafter's alone)."""
     infos = []
-    for stub_cls, port in ((engine_pb2_grpc.DrafterStub, cfg.drafter_port),
-                           (engine_pb2_grpc.VerifierStub, cfg.verifier_port)):
+    engines = ((engine_pb2_grpc.DrafterStub, cfg.drafter_port), (engine_pb2_grpc.VerifierStub, cfg.verifier_port))
+    for stub_cls, port in engines[:2 if verifier else 1]:
         with grpc.insecure_channel(f"{cfg.host}:{port}") as channel:
             infos.append(stub_cls(channel).GetInfo(engine_pb2.EngineInfoRequest(), timeout=30))
     return infos
 
 
-def _wait_slots_free(cfg: StackConfig, timeout_s: float = 30.0) -> list[engine_pb2.EngineInfo]:
+def _wait_slots_free(cfg: StackConfig, timeout_s: float = 30.0, verifier: bool = True) -> list[engine_pb2.EngineInfo]:
+    """``_engine_infos`` once every slot is free (or at ``timeout_s``: releases run at the step
+    loop's next sync, after the request's end reached its caller)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        infos = _engine_infos(cfg)
+        infos = _engine_infos(cfg, verifier)
         if all(i.num_free_slots == i.max_num_seqs and not i.request_ids for i in infos) or time.monotonic() > deadline:
             return infos
         time.sleep(0.2)

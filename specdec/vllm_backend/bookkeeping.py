@@ -14,6 +14,13 @@ def check_new_ids(known: dict, ids: list[str], max_num_seqs: int) -> None:
         raise CapacityError(f"no free slot: {len(known)} of {max_num_seqs} in use, {len(ids)} more asked")
 
 
+def check_token_ids(request_id: str, token_ids: list[int], vocab_size: int) -> None:
+    """Raise ValueError naming the request unless every id lies in [0, ``vocab_size``)."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids of {request_id!r} must lie in [0, {vocab_size}), got {bad[:8]}")
+
+
 def known_states(known: dict, request_ids: list[str]) -> list:
     """The states of ``request_ids`` in order. Raises KeyError naming unknown ids, ValueError on repeats."""
     missing = [rid for rid in request_ids if rid not in known]

@@ -39,7 +39,7 @@ from specdec.engine.draft_worker import merge_committed
 from specdec.engine_api import EngineFacts
 from specdec.errors import CapacityError
 from specdec.sample.sampling import NO_LOGPROBS, SamplingParams
-from specdec.vllm_backend.bookkeeping import check_new_ids, known_states
+from specdec.vllm_backend.bookkeeping import check_new_ids, check_token_ids, known_states
 from specdec.vllm_backend.call_stats import DraftCallStats
 from specdec.vllm_backend.engine import (VLLM_BLOCK_SIZE, VllmEngineConfig, build_engine, drain,
                                          refusals_as_value_errors, scheduler_of, to_vllm_sampling)
@@ -153,9 +153,7 @@ class VllmDraftWorker:
         return params.seed if params.seed is not None else self._seed_source.getrandbits(_SEED_BITS)
 
     def _check_ids(self, request_id: str, token_ids: list[int]) -> None:
-        bad = [t for t in token_ids if not 0 <= t < self._facts.input_vocab_size]
-        if bad:
-            raise ValueError(f"token ids of {request_id!r} must lie in [0, {self._facts.input_vocab_size}), got {bad[:8]}")
+        check_token_ids(request_id, token_ids, self._facts.input_vocab_size)
 
     def draft(self, request_ids: list[str], committed: list[tuple[int, list[int]]],
               k: int | list[int]) -> tuple[list[list[int]], None]:
