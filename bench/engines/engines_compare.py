@@ -16,6 +16,10 @@ Random-weight paper-scale shapes (``--target random:llama-8b --draft random:qwen
 process (each draft token accepted with probability P given its predecessors were), so both do
 the same speculative work. Such outputs are NOT the target's distribution (labelled so).
 
+Ours ``sd``, ``psd`` and ``auto`` with the same engine flags run on one start of their engines, each
+behind its own coordinator and gateway (``bench.engines.shared_engines``; ``--no-share-engines``:
+a start each), so a lease measures more systems.
+
 Per system and concurrency it records output tokens/s, TTFT and latency p50/p99, mean acceptance
 length (ours: usage extension; vLLM: /metrics counters) and ours' step-time split (coordinator
 step log); then ours/vLLM ratios per concurrency (each against ``vllm-ar`` and against the best
@@ -41,6 +45,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from bench.engines.compare_systems import OursServer, VllmServer, parse_system
+from bench.engines.shared_engines import SharedEngines, group_systems
 from bench.common.loadgen import LoadConfig, load_spec_bench, run_load
 from bench.engines.report_compare import markdown, ratios_by_concurrency, greedy_vs_reference
 from bench.common.stats import SpecCounts, spec_counts_from_usage, step_split, summarize
@@ -83,6 +88,7 @@ class CompareConfig:
     enforce_eager: bool = False
     vllm_python: str = ""
     decode_steps: int | None = None   # None: the engine's default (minedraft.engine_backend.DEFAULT_DECODE_STEPS)
+    share_engines: bool = True   # ours sd / psd / auto on the same engines start them once (bench.engines.shared_engines)
 
     def __post_init__(self) -> None:
         for name in self.systems:
@@ -104,6 +110,12 @@ def run_system(name: str, cfg: CompareConfig, prompts, deadline: float) -> list[
     """Start ``name`` once, run every concurrency (until ``deadline``), stop it; one record each."""
     logs = os.path.join(cfg.work_dir or cfg.out_dir, "logs", name)
     server = (VllmServer if parse_system(name).family == "vllm" else OursServer)(name, cfg, logs)
+    return run_started(name, cfg, server, prompts, deadline)
+
+
+def run_started(name: str, cfg: CompareConfig, server, prompts, deadline: float, **extra) -> list[dict]:
+    """Start ``server`` (by ``deadline`` at the latest), warm it up, run every concurrency (until
+    ``deadline``), stop it; one record each, with ``extra`` in every record."""
     server.start_deadline = deadline   # a start-up that would outrun the time budget is stopped and reported
     records = []
     started = time.monotonic()
@@ -115,11 +127,41 @@ def run_system(name: str, cfg: CompareConfig, prompts, deadline: float) -> list[
         for concurrency in cfg.concurrencies:
             if time.monotonic() > deadline:
                 records.append({"system": name, "concurrency": concurrency, "startup_s": startup_s,
-                                "skipped": "time budget"})
+                                "skipped": "time budget", **extra})
                 continue
-            records.append(_measure(name, cfg, server, endpoint, prompts[:cfg.num_requests(concurrency)],
-                                    concurrency, startup_s))
+            records.append({**_measure(name, cfg, server, endpoint, prompts[:cfg.num_requests(concurrency)],
+                                       concurrency, startup_s), **extra})
     return records
+
+
+def run_group(names: tuple[str, ...], cfg: CompareConfig, prompts, deadline: float, report) -> None:
+    """Systems that run the same engines (``shared_engines.group_systems``): the engines start once,
+    then each system's coordinator and gateway in turn. ``report(records, failures)`` after each
+    system; a system that fails is reported and the next one still runs, on the same engines
+    while they live."""
+    logs = os.path.join(cfg.work_dir or cfg.out_dir, "logs")
+    engines = SharedEngines(names, cfg, os.path.join(logs, "engines-" + names[0]))
+    engines.start_deadline = deadline
+    started = time.monotonic()
+    try:
+        engines.__enter__()
+    except Exception as exc:  # noqa: BLE001 -- reported for every system of the group
+        report([], [{"system": name, "error": f"{type(exc).__name__}: shared engines: {exc}"[-3000:]} for name in names])
+        return
+    shared = {"shared_engines": names[0], "engines_startup_s": time.monotonic() - started}
+    try:
+        for name in names:
+            try:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("skipped: time budget")
+                engines.check_alive()
+                report(run_started(name, cfg, engines.front(name, os.path.join(logs, name)), prompts, deadline,
+                                   **shared), [])
+            except Exception as exc:  # noqa: BLE001 -- reported; the next system still runs
+                report([], [{"system": name, "error": f"{type(exc).__name__}: {exc}"[-3000:]}])
+                print(f"[engines_compare] {name} failed: {str(exc)[-800:]}", file=sys.stderr, flush=True)
+    finally:
+        engines.__exit__(None, None, None)
 
 
 def _measure(name: str, cfg: CompareConfig, server, endpoint, prompts, concurrency: int, startup_s: float) -> dict:
@@ -142,23 +184,32 @@ def _measure(name: str, cfg: CompareConfig, server, endpoint, prompts, concurren
 
 
 def run_compare(cfg: CompareConfig, command: str) -> dict:
-    """Every system in turn (a system that fails to start is recorded; the others still run)."""
+    """Every system in turn, ours sharing engines where they can (a system that fails to start is
+    recorded; the others still run); results written after each system."""
     os.makedirs(cfg.out_dir, exist_ok=True)
     prompts = load_spec_bench(cfg.data, max(cfg.num_requests(c) for c in cfg.concurrencies))
     deadline = time.monotonic() + (cfg.time_budget_s or float("inf"))
     meta = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": git_commit(), "command": command, "config": asdict(cfg), "machine": _machine()}
     records, failures = [], []
-    for name in cfg.systems:
+
+    def report(new_records: list[dict], new_failures: list[dict]) -> None:
+        records.extend(new_records)
+        failures.extend(new_failures)
+        write_results(cfg, meta, records, failures)
+
+    for group in group_systems(cfg.systems) if cfg.share_engines else [(name,) for name in cfg.systems]:
         if time.monotonic() > deadline:
-            failures.append({"system": name, "error": "skipped: time budget"})
+            report([], [{"system": name, "error": "skipped: time budget"} for name in group])
+            continue
+        if len(group) > 1:
+            run_group(group, cfg, prompts, deadline, report)
             continue
         try:
-            records += run_system(name, cfg, prompts, deadline)
+            report(run_system(group[0], cfg, prompts, deadline), [])
         except Exception as exc:  # noqa: BLE001 -- reported; the next system still runs
-            failures.append({"system": name, "error": f"{type(exc).__name__}: {exc}"[-3000:]})
-            print(f"[engines_compare] {name} failed: {str(exc)[-800:]}", file=sys.stderr, flush=True)
-        write_results(cfg, meta, records, failures)
+            report([], [{"system": group[0], "error": f"{type(exc).__name__}: {exc}"[-3000:]}])
+            print(f"[engines_compare] {group[0]} failed: {str(exc)[-800:]}", file=sys.stderr, flush=True)
     return write_results(cfg, meta, records, failures)
 
 
@@ -222,6 +273,9 @@ def parse_args(argv: list[str] | None) -> CompareConfig:
     p.add_argument("--vllm-python", default="", help="the Python with vLLM (default: engine_backend's choice)")
     p.add_argument("--decode-steps", type=int, default=None,
                    help="ours: tokens per Verify call in ar steps (multi-step; default: the engine's, 32 on vllm, 1 on native)")
+    p.add_argument("--no-share-engines", dest="share_engines", action="store_false",
+                   help="start every system's engines anew (default: ours sd / psd / auto with the same engine "
+                        "flags share one start of them, bench.engines.shared_engines)")
     a = p.parse_args(argv)
     return CompareConfig(out_dir=a.out_dir, work_dir=a.work_dir, data=a.data, systems=tuple(a.systems.split(",")),
                          concurrencies=_ints(a.concurrencies), requests_per_client=a.requests_per_client,
@@ -231,7 +285,7 @@ def parse_args(argv: list[str] | None) -> CompareConfig:
                          fixed_acceptance=a.fixed_acceptance, cuda_mps=a.cuda_mps, drafter_gpu=a.drafter_gpu,
                          num_warmup=a.num_warmup, time_budget_s=a.time_budget_s,
                          startup_timeout_s=a.startup_timeout_s, enforce_eager=a.enforce_eager,
-                         vllm_python=a.vllm_python, decode_steps=a.decode_steps)
+                         vllm_python=a.vllm_python, decode_steps=a.decode_steps, share_engines=a.share_engines)
 
 
 def main(argv: list[str] | None = None) -> int:

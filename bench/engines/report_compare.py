@@ -167,7 +167,20 @@ def markdown(results: dict, cfg) -> str:
                   for g in results["greedy_vs_vllm_ar"]]
     lines += [f"\n**FAILED** {f['system']}: `{f['error'][-500:]}`" for f in results["failures"]]
     lines += not_measured(results["runs"])
+    lines += shared_engines(results["runs"])
     return "\n".join(lines) + "\n"
+
+
+def shared_engines(runs: list[dict]) -> list[str]:
+    """A line per engine start that several systems ran on (``bench.engines.shared_engines``):
+    which systems, the engines' start-up and each system's own (its coordinator and gateway)."""
+    groups: dict[tuple[str, float], dict[str, float]] = {}
+    for r in runs:
+        if "shared_engines" in r:
+            groups.setdefault((r["shared_engines"], r["engines_startup_s"]), {})[r["system"]] = r["startup_s"]
+    return [f"\nShared engines: {', '.join(systems)} ran on one start of the engines ({start_s:.0f} s), each behind "
+            f"its own coordinator and gateway (started in {', '.join(f'{s:.1f}' for s in systems.values())} s)"
+            for (_, start_s), systems in groups.items()]
 
 
 def not_measured(runs: list[dict]) -> list[str]:
