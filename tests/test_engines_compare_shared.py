@@ -104,3 +104,38 @@ def test_tiny_cpu_run_of_three_modes_on_one_start_of_the_native_engines(tiny_dir
         for c in (1, 2):
             assert outputs[f"{name}-c{c}"] == outputs[f"ar-native-c{c}"] and len(outputs[f"ar-native-c{c}"]) == 2
     assert "Shared engines: psd-native, sd-native, auto-native ran on one start" in (out / "results.md").read_text()
+
+
+def test_engines_that_fail_to_start_or_die_fail_each_system_of_the_group_and_the_others_still_run(tmp_path, monkeypatch):
+    from bench.engines import engines_compare
+
+    class _Engines:
+        start_deadline = None
+
+        def __init__(self, names, cfg, logs):
+            self.names = names
+
+        def __enter__(self):
+            if "sd-vllm" in self.names:
+                raise RuntimeError("verifier exited with code 1")
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def check_alive(self):
+            raise RuntimeError("drafter exited with code -9")
+
+    ran = []
+    monkeypatch.setattr(engines_compare, "SharedEngines", _Engines)
+    monkeypatch.setattr(engines_compare, "run_system", lambda name, *a: ran.append(name) or [])
+    data = tmp_path / "question.jsonl"
+    data.write_text(json.dumps({"question_id": 1, "category": "translation", "turns": ["Hi"]}) + "\n")
+    cfg = CompareConfig(out_dir=str(tmp_path / "out"), data=str(data), concurrencies=(1,), min_requests=1,
+                        systems=("sd-vllm", "psd-vllm", "vllm-ar", "psd-vllm-ses", "auto-vllm-ses"), requests_per_client=1)
+    results = engines_compare.run_compare(cfg, "test")
+    assert ran == ["vllm-ar"]
+    errors = {f["system"]: f["error"] for f in results["failures"]}
+    assert list(errors) == ["sd-vllm", "psd-vllm", "psd-vllm-ses", "auto-vllm-ses"]
+    assert errors["psd-vllm"] == "RuntimeError: shared engines: verifier exited with code 1"
+    assert errors["auto-vllm-ses"] == "RuntimeError: drafter exited with code -9"

@@ -36,6 +36,7 @@ Example (the device script ``bench/engines/engines_compare_device.sh`` runs the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -143,25 +144,25 @@ def run_group(names: tuple[str, ...], cfg: CompareConfig, prompts, deadline: flo
     engines = SharedEngines(names, cfg, os.path.join(logs, "engines-" + names[0]))
     engines.start_deadline = deadline
     started = time.monotonic()
-    try:
-        engines.__enter__()
-    except Exception as exc:  # noqa: BLE001 -- reported for every system of the group
-        report([], [{"system": name, "error": f"{type(exc).__name__}: shared engines: {exc}"[-3000:]} for name in names])
-        return
-    shared = {"shared_engines": names[0], "engines_startup_s": time.monotonic() - started}
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(engines)
+        except Exception as exc:  # noqa: BLE001 -- reported for every system of the group
+            report([], [{"system": name, "error": f"{type(exc).__name__}: shared engines: {exc}"[-3000:]}
+                        for name in names])
+            return
+        shared = {"shared_engines": names[0], "engines_startup_s": time.monotonic() - started}
         for name in names:
+            if time.monotonic() > deadline:
+                report([], [{"system": name, "error": "skipped: time budget"}])
+                continue
             try:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("skipped: time budget")
                 engines.check_alive()
                 report(run_started(name, cfg, engines.front(name, os.path.join(logs, name)), prompts, deadline,
                                    **shared), [])
             except Exception as exc:  # noqa: BLE001 -- reported; the next system still runs
                 report([], [{"system": name, "error": f"{type(exc).__name__}: {exc}"[-3000:]}])
                 print(f"[engines_compare] {name} failed: {str(exc)[-800:]}", file=sys.stderr, flush=True)
-    finally:
-        engines.__exit__(None, None, None)
 
 
 def _measure(name: str, cfg: CompareConfig, server, endpoint, prompts, concurrency: int, startup_s: float) -> dict:
