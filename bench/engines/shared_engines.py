@@ -27,7 +27,7 @@ import os
 from dataclasses import replace
 from unittest import mock
 
-from bench.common.systems import NO_METRICS, Endpoint
+from bench.common.systems import Endpoint, OursSystem
 from bench.engines.compare_systems import SystemName, our_stack_config, parse_system
 
 ENGINE_SERVICES = ("verifier", "drafter")
@@ -129,11 +129,9 @@ class SharedEngines:
         return Front(front_cfg, self.model_dir, logs_dir)
 
 
-class Front:
-    """One system's coordinator and gateway in front of running engines, as a context manager
-    with ``OursServer``'s interface (``endpoint``, ``start_deadline``, ``metrics``)."""
-
-    start_deadline: float | None = None
+class Front(OursSystem):
+    """One system's coordinator and gateway in front of running engines: ``OursSystem`` (its
+    ``endpoint``, ``start_deadline``, ``metrics`` and stop) with only the front services started."""
 
     def __init__(self, cfg, model_dir: str, logs_dir: str) -> None:  # noqa: D107 -- see the class docstring
         from minedraft.launcher import Stack
@@ -154,9 +152,3 @@ class Front:
             self._stack.stop()
             raise
         return self.endpoint
-
-    def __exit__(self, *exc) -> None:
-        self._stack.stop()
-
-    def metrics(self) -> dict[str, float]:
-        return dict(NO_METRICS)
