@@ -10,6 +10,8 @@
 # Drafter and verifier share GPU 0 under CUDA MPS (MPS=0: no MPS). Env: SYSTEMS, CONCURRENCIES, EXTRA, DATA (the prompts),
 # MAX_MODEL_LEN (2048: each of the 128 Spec-Bench prompts used fits beside 256 output tokens; 1024 refused 21) override;
 # system names as in bench.engines.compare_systems (e.g. psd-vllm-adaptive: adaptive k; -vsm70: the verifier on 70% of the SMs);
+# ours sd / psd / auto with the same engine flags (e.g. psd-vllm-ses,sd-vllm-ses,auto-vllm-ses) run on one start of their
+# engines, each behind its own coordinator and gateway (bench.engines.shared_engines; EXTRA=--no-share-engines: a start each);
 # SMOKE=1 first runs bench.engines.vllm_backend_smoke (the backend's workers in-process, greedy sd = ar;
 # SMOKE_ARGS its flags, SMOKE_ONLY=1 stops after it); PROFILE=1 first runs bench.engines.ar_step_profile (PROFILE_ARGS);
 # DRAFT_CALLS=1 first runs bench.engines.draft_calls (DRAFT_CALLS_ARGS: one vLLM draft call per engine set-up);
