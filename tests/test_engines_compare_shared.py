@@ -139,3 +139,22 @@ def test_engines_that_fail_to_start_or_die_fail_each_system_of_the_group_and_the
     assert list(errors) == ["sd-vllm", "psd-vllm", "psd-vllm-ses", "auto-vllm-ses"]
     assert errors["psd-vllm"] == "RuntimeError: shared engines: verifier exited with code 1"
     assert errors["auto-vllm-ses"] == "RuntimeError: drafter exited with code -9"
+
+
+def test_no_share_engines_starts_every_system_alone(tmp_path, monkeypatch):
+    from bench.engines import engines_compare
+
+    assert engines_compare.parse_args(["--out-dir", "x"]).share_engines is True
+    cfg = engines_compare.parse_args(["--out-dir", str(tmp_path / "out"), "--no-share-engines", "--systems",
+                                      "psd-vllm,sd-vllm", "--concurrencies", "1", "--requests-per-client", "1", "--min-requests", "1",
+                                      "--data", str(_one_prompt(tmp_path))])
+    started = []
+    monkeypatch.setattr(engines_compare, "SharedEngines", lambda *a: pytest.fail("engines shared"))
+    monkeypatch.setattr(engines_compare, "run_system", lambda name, *a: started.append(name) or [])
+    assert engines_compare.run_compare(cfg, "test")["failures"] == [] and started == ["psd-vllm", "sd-vllm"]
+
+
+def _one_prompt(tmp_path):
+    data = tmp_path / "question.jsonl"
+    data.write_text(json.dumps({"question_id": 1, "category": "translation", "turns": ["Hi"]}) + "\n")
+    return data
