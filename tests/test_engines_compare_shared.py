@@ -158,3 +158,8 @@ def _one_prompt(tmp_path):
     data = tmp_path / "question.jsonl"
     data.write_text(json.dumps({"question_id": 1, "category": "translation", "turns": ["Hi"]}) + "\n")
     return data
+
+
+def test_a_run_naming_a_system_twice_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="systems: each system once"):
+        CompareConfig(out_dir="x", systems=("vllm-ar", "psd-vllm", "vllm-ar"))

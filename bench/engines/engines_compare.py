@@ -92,6 +92,8 @@ class CompareConfig:
     share_engines: bool = True   # ours sd / psd / auto on the same engines start them once (bench.engines.shared_engines)
 
     def __post_init__(self) -> None:
+        if len(set(self.systems)) != len(self.systems):   # records are keyed by (system, concurrency)
+            raise ValueError(f"systems: each system once, got {list(self.systems)}")
         for name in self.systems:
             if parse_system(name).verifier_sm_percent < 100 and not self.cuda_mps:  # ValueError naming the system
                 raise ValueError(f"systems: {name!r} limits the verifier's SMs under MPS: needs --cuda-mps")
