@@ -7,7 +7,6 @@ minute): one engine start, three fronts, the same greedy outputs as ``ar``'s own
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -129,9 +128,7 @@ def test_engines_that_fail_to_start_or_die_fail_each_system_of_the_group_and_the
     ran = []
     monkeypatch.setattr(engines_compare, "SharedEngines", _Engines)
     monkeypatch.setattr(engines_compare, "run_system", lambda name, *a: ran.append(name) or [])
-    data = tmp_path / "question.jsonl"
-    data.write_text(json.dumps({"question_id": 1, "category": "translation", "turns": ["Hi"]}) + "\n")
-    cfg = CompareConfig(out_dir=str(tmp_path / "out"), data=str(data), concurrencies=(1,), min_requests=1,
+    cfg = CompareConfig(out_dir=str(tmp_path / "out"), data=str(_one_prompt(tmp_path)), concurrencies=(1,), min_requests=1,
                         systems=("sd-vllm", "psd-vllm", "vllm-ar", "psd-vllm-ses", "auto-vllm-ses"), requests_per_client=1)
     results = engines_compare.run_compare(cfg, "test")
     assert ran == ["vllm-ar"]

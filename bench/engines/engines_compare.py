@@ -56,6 +56,7 @@ from minedraft.prompts import write_json
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "data", "spec_bench",
                             "question.jsonl")
 NUM_WARMUP_TOKENS = 16
+SKIPPED = "skipped: time budget"   # a failure entry report_compare.merge drops
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,7 @@ class CompareConfig:
     share_engines: bool = True   # ours sd / psd / auto on the same engines start them once (bench.engines.shared_engines)
 
     def __post_init__(self) -> None:
-        if len(set(self.systems)) != len(self.systems):   # records are keyed by (system, concurrency)
-            raise ValueError(f"systems: each system once, got {list(self.systems)}")
+        group_systems(self.systems)   # ValueError: a system named twice (records are keyed by system and concurrency)
         for name in self.systems:
             if parse_system(name).verifier_sm_percent < 100 and not self.cuda_mps:  # ValueError naming the system
                 raise ValueError(f"systems: {name!r} limits the verifier's SMs under MPS: needs --cuda-mps")
@@ -139,9 +139,11 @@ def run_started(name: str, cfg: CompareConfig, server, prompts, deadline: float,
 
 def run_group(names: tuple[str, ...], cfg: CompareConfig, prompts, deadline: float, report) -> None:
     """Systems that run the same engines (``shared_engines.group_systems``): the engines start once,
-    then each system's coordinator and gateway in turn. ``report(records, failures)`` after each
-    system; a system that fails is reported and the next one still runs, on the same engines
-    while they live."""
+    then each system's coordinator and gateway in turn, through ``run_reported``; a system that
+    fails is reported and the next one still runs, on the same engines while they live."""
+    if time.monotonic() > deadline:
+        report([], [{"system": name, "error": SKIPPED} for name in names])
+        return
     logs = os.path.join(cfg.work_dir or cfg.out_dir, "logs")
     engines = SharedEngines(names, cfg, os.path.join(logs, "engines-" + names[0]))
     engines.start_deadline = deadline
@@ -155,16 +157,25 @@ def run_group(names: tuple[str, ...], cfg: CompareConfig, prompts, deadline: flo
             return
         shared = {"shared_engines": names[0], "engines_startup_s": time.monotonic() - started}
         for name in names:
-            if time.monotonic() > deadline:
-                report([], [{"system": name, "error": "skipped: time budget"}])
-                continue
-            try:
+            def run_on_engines(name: str = name) -> list[dict]:
                 engines.check_alive()
-                report(run_started(name, cfg, engines.front(name, os.path.join(logs, name)), prompts, deadline,
-                                   **shared), [])
-            except Exception as exc:  # noqa: BLE001 -- reported; the next system still runs
-                report([], [{"system": name, "error": f"{type(exc).__name__}: {exc}"[-3000:]}])
-                print(f"[engines_compare] {name} failed: {str(exc)[-800:]}", file=sys.stderr, flush=True)
+                front = engines.front(name, os.path.join(logs, name))
+                return run_started(name, cfg, front, prompts, deadline, **shared)
+
+            run_reported(name, deadline, report, run_on_engines)
+
+
+def run_reported(name: str, deadline: float, report, run) -> None:
+    """``report(run(), [])``; past ``deadline`` the system is reported as skipped instead, and a
+    ``run`` that raises as failed (the next system still runs)."""
+    if time.monotonic() > deadline:
+        report([], [{"system": name, "error": SKIPPED}])
+        return
+    try:
+        report(run(), [])
+    except Exception as exc:  # noqa: BLE001 -- reported; the next system still runs
+        report([], [{"system": name, "error": f"{type(exc).__name__}: {exc}"[-3000:]}])
+        print(f"[engines_compare] {name} failed: {str(exc)[-800:]}", file=sys.stderr, flush=True)
 
 
 def _measure(name: str, cfg: CompareConfig, server, endpoint, prompts, concurrency: int, startup_s: float) -> dict:
@@ -202,17 +213,10 @@ def run_compare(cfg: CompareConfig, command: str) -> dict:
         write_results(cfg, meta, records, failures)
 
     for group in group_systems(cfg.systems) if cfg.share_engines else [(name,) for name in cfg.systems]:
-        if time.monotonic() > deadline:
-            report([], [{"system": name, "error": "skipped: time budget"} for name in group])
-            continue
         if len(group) > 1:
             run_group(group, cfg, prompts, deadline, report)
-            continue
-        try:
-            report(run_system(group[0], cfg, prompts, deadline), [])
-        except Exception as exc:  # noqa: BLE001 -- reported; the next system still runs
-            report([], [{"system": group[0], "error": f"{type(exc).__name__}: {exc}"[-3000:]}])
-            print(f"[engines_compare] {group[0]} failed: {str(exc)[-800:]}", file=sys.stderr, flush=True)
+        else:
+            run_reported(group[0], deadline, report, lambda: run_system(group[0], cfg, prompts, deadline))
     return write_results(cfg, meta, records, failures)
 
 
